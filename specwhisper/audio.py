@@ -1,0 +1,202 @@
+"""Audio in, log-mel features out: `load_audio` and `log_mel_spectrogram`.
+
+`log_mel_spectrogram` reproduces `transformers.WhisperFeatureExtractor` (its torch path):
+zero-pad or truncate to 30 s, centred STFT (reflect padding, periodic Hann window, n_fft 400,
+hop 160), power spectrum without the last frame, Slaney mel filterbank, log10, clamp to 8 below
+the maximum, scale.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import soundfile
+import torch
+import torch.nn.functional as F
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+CHUNK_SECONDS = 30
+N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples in the 30 s window
+N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames
+SUPPORTED_N_MELS = (80, 128)  # 128 for large-v3 and its descendants, 80 for every other Whisper
+
+AudioSource = str | os.PathLike | bytes | BinaryIO
+
+
+def load_audio(source: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
+    """Decode a file path, encoded bytes or a binary file object to float32 mono samples at `sr`.
+
+    Formats libsndfile reads (WAV, FLAC, OGG, MP3, ...) are decoded in process and resampled if
+    needed; anything else (m4a, webm, video containers, ...) is decoded by an `ffmpeg` subprocess.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"audio file not found: {os.fspath(source)!r}")
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        source = bytes(source)
+    else:
+        source = bytes(source.read())  # a binary file object
+    decoded = _read_with_soundfile(source)
+    if decoded is None:
+        return _load_with_ffmpeg(source, sr)
+    samples, file_sr = decoded
+    samples = samples.mean(axis=1)  # [frames, channels] -> mono
+    if file_sr != sr:
+        samples = resample(torch.from_numpy(samples), file_sr, sr).numpy()
+    return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def _read_with_soundfile(source: str | os.PathLike | bytes) -> tuple[np.ndarray, int] | None:
+    """`([frames, channels] float32, sample rate)`, or None when libsndfile cannot read it."""
+    try:
+        return soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source,
+                              dtype="float32", always_2d=True)
+    except soundfile.LibsndfileError:
+        return None
+
+
+def _load_with_ffmpeg(source: str | os.PathLike | bytes, sr: int) -> np.ndarray:
+    if shutil.which("ffmpeg") is None:
+        raise RuntimeError(
+            "decoding this audio format needs ffmpeg, which is not installed (not found on PATH); "
+            "install ffmpeg or convert the audio to WAV/FLAC first"
+        )
+    if isinstance(source, bytes):
+        # a file, not a pipe: containers such as mp4/m4a need a seekable input
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "audio"
+            path.write_bytes(source)
+            return _load_with_ffmpeg(path, sr)
+    cmd = ["ffmpeg", "-nostdin", "-threads", "0", "-i", os.fspath(source),
+           "-f", "s16le", "-ac", "1", "-acodec", "pcm_s16le", "-ar", str(sr), "-"]
+    result = subprocess.run(cmd, capture_output=True)
+    if result.returncode != 0:
+        reason = result.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        raise RuntimeError(f"ffmpeg failed to decode the audio: {' '.join(reason)}")
+    return np.frombuffer(result.stdout, np.int16).astype(np.float32) / 32768.0
+
+
+def resample(samples: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
+    """Band-limited polyphase resampling of the last axis with a Kaiser-windowed sinc.
+
+    Same scheme as torchaudio's `resample` ("kaiser_best" parameters): the rate ratio is reduced
+    to `orig:new` by their gcd, each of the `new` output phases gets its own FIR kernel, and one
+    strided `conv1d` applies all phases at once.
+    """
+    gcd = math.gcd(orig_sr, new_sr)
+    orig, new = orig_sr // gcd, new_sr // gcd
+    if orig == new:
+        return samples
+    kernels, width = _sinc_kernels(orig, new, samples.device)
+    shape = samples.shape
+    x = samples.reshape(-1, 1, shape[-1]).to(torch.float32)  # [batch, 1, time]
+    x = F.pad(x, (width, width + orig))
+    y = F.conv1d(x, kernels, stride=orig)  # [batch, new, time / orig]
+    y = y.transpose(1, 2).reshape(x.shape[0], -1)  # interleave the phases
+    n_out = math.ceil(new * shape[-1] / orig)
+    return y[:, :n_out].reshape(*shape[:-1], n_out).to(samples.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _sinc_kernels(orig: int, new: int, device: torch.device,
+                  zero_crossings: int = 64, rolloff: float = 0.9475937167399596,
+                  beta: float = 14.769656459379492) -> tuple[torch.Tensor, int]:
+    cutoff = min(orig, new) * rolloff  # low-pass below the lower Nyquist, in units of the gcd rate
+    width = math.ceil(zero_crossings * orig / cutoff)  # one-sided kernel support, input samples
+    taps = torch.arange(-width, width + orig, dtype=torch.float64) / orig
+    t = (torch.arange(0, -new, -1, dtype=torch.float64)[:, None] / new + taps) * cutoff
+    t = t.clamp(-zero_crossings, zero_crossings)  # [new, 2 * width + orig]
+    window = torch.i0(beta * (1 - (t / zero_crossings) ** 2).sqrt()) / torch.i0(torch.tensor(beta))
+    kernels = torch.special.sinc(t) * window * (cutoff / orig)
+    return kernels[:, None].to(device, torch.float32), width  # [new, 1, taps]
+
+
+def pad_or_trim(array: torch.Tensor | np.ndarray, length: int = N_SAMPLES, axis: int = -1):
+    """Zero-pad or truncate `array` along `axis` to exactly `length` (torch or numpy)."""
+    size = array.shape[axis]
+    if isinstance(array, torch.Tensor):
+        if size > length:
+            return array.narrow(axis, 0, length)
+        pad = [0, 0] * (array.ndim - 1 - axis % array.ndim) + [0, length - size]
+        return F.pad(array, pad) if size < length else array
+    if size > length:
+        return array.take(np.arange(length), axis=axis)
+    pad = [(0, 0)] * array.ndim
+    pad[axis] = (0, length - size)
+    return np.pad(array, pad) if size < length else array
+
+
+def log_mel_spectrogram(audio: torch.Tensor | np.ndarray, n_mels: int = 80, padding: int = 0,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """Whisper log-mel features `[n_mels, 3000]` (float32) of 16 kHz mono samples.
+
+    `audio` is a 1-D float numpy array or tensor; the result lives on `device`, else on the
+    tensor's device (cpu for numpy). `padding` zero samples are appended before the 30 s window
+    is taken (openai-whisper's argument; the window is zero-padded anyway, so features are
+    identical to those of the unpadded audio).
+    """
+    if n_mels not in SUPPORTED_N_MELS:
+        raise ValueError(f"n_mels must be one of {SUPPORTED_N_MELS}, got {n_mels}")
+    if padding < 0:
+        raise ValueError(f"padding must be >= 0 samples, got {padding}")
+    if np.ndim(audio) != 1:
+        raise ValueError(f"audio must be 1-D mono samples, got shape {tuple(np.shape(audio))}")
+    if isinstance(audio, np.ndarray):
+        audio = np.ascontiguousarray(audio)  # torch cannot view negative strides
+    audio = torch.as_tensor(audio, device=device)
+    if not audio.is_floating_point():
+        raise ValueError(f"audio must hold float samples in [-1, 1], got dtype {audio.dtype}")
+    if not torch.isfinite(audio).all():
+        raise ValueError("audio contains non-finite samples (NaN or inf)")
+    audio = pad_or_trim(F.pad(audio.to(torch.float32), (0, padding)), N_SAMPLES)
+    window, mel_filters = _stft_constants(n_mels, audio.device)
+    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # [201, 3001]
+    power = stft[:, :-1].abs() ** 2  # [201, 3000]
+    log_spec = (mel_filters @ power).clamp(min=1e-10).log10()  # [n_mels, 3000]
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return (log_spec + 4.0) / 4.0
+
+
+@functools.lru_cache(maxsize=8)
+def _stft_constants(n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Periodic Hann window `[400]` and Slaney mel filterbank `[n_mels, 201]` on `device`."""
+    window = torch.hann_window(N_FFT, device=device)
+    return window, mel_filter_bank(n_mels).to(device, torch.float32)
+
+
+def mel_filter_bank(n_mels: int, n_fft: int = N_FFT, sr: int = SAMPLE_RATE) -> torch.Tensor:
+    """Slaney-scale, Slaney-normalised triangular filters `[n_mels, n_fft // 2 + 1]` (float64)
+    from 0 Hz to `sr / 2`, as `librosa.filters.mel(norm="slaney")` and `transformers`' builder."""
+    mel_max = _hz_to_mel(torch.tensor(sr / 2, dtype=torch.float64))
+    band_edges = _mel_to_hz(torch.linspace(0.0, float(mel_max), n_mels + 2, dtype=torch.float64))
+    fft_freqs = torch.linspace(0, sr // 2, n_fft // 2 + 1, dtype=torch.float64)
+    slopes = band_edges[:, None] - fft_freqs[None, :]  # [n_mels + 2, n_freqs]
+    widths = band_edges.diff()[:, None]  # [n_mels + 1, 1]
+    rising = -slopes[:-2] / widths[:-1]
+    falling = slopes[2:] / widths[1:]
+    triangles = torch.minimum(rising, falling).clamp(min=0.0)
+    return triangles * (2.0 / (band_edges[2:] - band_edges[:-2]))[:, None]  # equal area per band
+
+
+# Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above.
+_MIN_LOG_HZ, _MIN_LOG_MEL, _LOG_STEP = 1000.0, 15.0, math.log(6.4) / 27.0
+
+
+def _hz_to_mel(hz: torch.Tensor) -> torch.Tensor:
+    log_part = _MIN_LOG_MEL + torch.log(hz.clamp(min=_MIN_LOG_HZ) / _MIN_LOG_HZ) / _LOG_STEP
+    return torch.where(hz >= _MIN_LOG_HZ, log_part, 3.0 * hz / 200.0)
+
+
+def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
+    log_part = _MIN_LOG_HZ * torch.exp(_LOG_STEP * (mel - _MIN_LOG_MEL))
+    return torch.where(mel >= _MIN_LOG_MEL, log_part, 200.0 * mel / 3.0)
