@@ -1,0 +1,92 @@
+"""Model and decoding configuration as frozen dataclasses (config is data)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZES = (51864, 51865, 51866)  # English-only, multilingual, large-v3
+MAX_TARGET_POSITIONS = 448
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: {path} is not valid JSON ({exc})") from None
+
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    d_model: int  # hidden width of encoder and decoder
+    encoder_layers: int  # number of encoder blocks
+    encoder_attention_heads: int  # heads per encoder self-attention
+    encoder_ffn_dim: int  # encoder MLP width
+    decoder_layers: int  # number of decoder blocks
+    decoder_attention_heads: int  # heads per decoder self/cross attention
+    decoder_ffn_dim: int  # decoder MLP width
+    vocab_size: int  # 51864 (.en), 51865 (multilingual) or 51866 (v3)
+    num_mel_bins: int  # 80, or 128 for large-v3
+    max_source_positions: int = 1500  # encoder frames after the stride-2 conv
+    max_target_positions: int = MAX_TARGET_POSITIONS  # decoder positions (prompt + generated)
+
+    def __post_init__(self):
+        if self.vocab_size not in VOCAB_SIZES:
+            raise ValueError(f"vocab_size {self.vocab_size} is not a Whisper vocabulary {VOCAB_SIZES}")
+        if self.num_mel_bins not in (80, 128):
+            raise ValueError(f"num_mel_bins must be 80 or 128, got {self.num_mel_bins}")
+        for name in ("encoder_attention_heads", "decoder_attention_heads"):
+            if self.d_model % getattr(self, name):
+                raise ValueError(f"d_model {self.d_model} is not divisible by {name} {getattr(self, name)}")
+        if min(self.encoder_layers, self.decoder_layers, self.d_model) < 1:
+            raise ValueError("layer counts and d_model must be positive")
+
+    @property
+    def is_multilingual(self) -> bool:
+        return self.vocab_size >= 51865
+
+    @classmethod
+    def from_hf(cls, folder: str | Path) -> "WhisperConfig":
+        """Read a Hugging Face Whisper `config.json`."""
+        raw = read_json(Path(folder) / "config.json", "Whisper config")
+        if raw.get("model_type", "whisper") != "whisper":
+            raise ValueError(f"{folder}/config.json has model_type {raw['model_type']!r}, expected 'whisper'")
+        act = raw.get("activation_function", "gelu")
+        if act != "gelu":
+            raise ValueError(f"{folder}: activation_function {act!r} is not supported (only 'gelu')")
+        if raw.get("scale_embedding", False):
+            raise ValueError(f"{folder}: scale_embedding=true is not supported")
+        try:
+            return cls(**{name: int(raw[name]) for name in (
+                "d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim",
+                "decoder_layers", "decoder_attention_heads", "decoder_ffn_dim", "vocab_size",
+                "num_mel_bins")},
+                max_source_positions=int(raw.get("max_source_positions", 1500)),
+                max_target_positions=int(raw.get("max_target_positions", MAX_TARGET_POSITIONS)))
+        except KeyError as exc:
+            raise ValueError(f"{folder}/config.json is missing the field {exc.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    language: str | None = None  # language code; None detects it (multilingual) or "en" (English-only)
+    task: str = "transcribe"  # "transcribe" or "translate"
+    temperature: float = 0.0  # 0 is greedy; > 0 samples from softmax(logits / temperature)
+    top_p: float = 1.0  # nucleus mass kept when sampling
+    num_draft_tokens: int | None = None  # k per verify pass; None adapts it to the acceptance
+    max_new_tokens: int | None = None  # generated tokens incl. EOT; None fills the 448 positions
+    seed: int | None = None  # sampling seed (reproducible results)
+
+    def __post_init__(self):
+        if self.task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.num_draft_tokens is not None and not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be in 1..16 or None, got {self.num_draft_tokens}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

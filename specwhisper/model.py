@@ -1,0 +1,181 @@
+"""Whisper encoder and decoder as plain `nn.Module`s.
+
+Attribute names equal the Hugging Face safetensors keys (without the leading `model.`), so weights
+load with `load_state_dict(strict=True, assign=True)`. The decoder is stateless: its static KV
+cache is a separate `DecoderCache` of preallocated buffers written in place, so one set of weights
+serves several caches (batch buckets, threads) and a step is graph-safe (no allocation of cache
+memory, no host sync, positions passed as tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import WhisperConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)  # Whisper has no key bias
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+
+    def attend(self, x, k, v, mask=None) -> torch.Tensor:
+        # Scale q before the product, as Whisper does (the order matters for bit-level parity).
+        q = self.heads(self.q_proj(x) * self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: WhisperConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = Attention(d, cfg.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn_layer_norm(x)
+        x = x + self.self_attn.attend(h, *self.self_attn.project_kv(h))
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: WhisperConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(cfg.max_source_positions, d)  # sinusoids, stored
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [B, n_mels, 3000] -> audio features [B, 1500, d_model]."""
+        x = F.gelu(self.conv2(F.gelu(self.conv1(mel)))).transpose(1, 2)
+        x = x + self.embed_positions.weight[: x.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+@dataclass
+class DecoderCache:
+    """Preallocated decoder state for `batch` rows; every tensor is written in place.
+
+    self_k/self_v: [n_layers, batch, heads, max_positions, head_dim] self-attention keys/values.
+    cross_k/cross_v: [n_layers, batch, heads, 1500, head_dim] cross-attention keys/values,
+    computed once per utterance by `Decoder.fill_cross`.
+    """
+
+    self_k: torch.Tensor
+    self_v: torch.Tensor
+    cross_k: torch.Tensor
+    cross_v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: WhisperConfig, batch: int, device, dtype) -> "DecoderCache":
+        h = cfg.decoder_attention_heads
+        shape = (cfg.decoder_layers, batch, h, cfg.max_target_positions, cfg.d_model // h)
+        cross = (cfg.decoder_layers, batch, h, cfg.max_source_positions, cfg.d_model // h)
+        new = lambda s: torch.zeros(s, device=device, dtype=dtype)  # noqa: E731
+        return cls(new(shape), new(shape), new(cross), new(cross))
+
+    @property
+    def batch(self) -> int:
+        return self.self_k.shape[1]
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.self_k, self.self_v, self.cross_k, self.cross_v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: WhisperConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = Attention(d, cfg.decoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = Attention(d, cfg.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x, input_pos, mask, self_k, self_v, cross_k, cross_v):
+        """x [B, T, d]; input_pos [B, T]; mask [B, 1, T, S]; caches [B, H, S, Dh] (this layer)."""
+        h = self.self_attn_layer_norm(x)
+        k, v = self.self_attn.project_kv(h)  # [B, H, T, Dh]
+        index = input_pos[:, None, :, None].expand_as(k)
+        self_k.scatter_(2, index, k)
+        self_v.scatter_(2, index, v)
+        x = x + self.self_attn.attend(h, self_k, self_v, mask)
+        x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), cross_k, cross_v)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: WhisperConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)  # also the (tied) output head
+        self.embed_positions = nn.Embedding(cfg.max_target_positions, d)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    @torch.no_grad()
+    def fill_cross(self, cache: DecoderCache, audio_features: torch.Tensor, rows: slice = slice(None)):
+        """Compute cross-attention K/V once per utterance into the cache rows `rows`."""
+        for i, layer in enumerate(self.layers):
+            k, v = layer.encoder_attn.project_kv(audio_features)
+            cache.cross_k[i, rows].copy_(k)
+            cache.cross_v[i, rows].copy_(v)
+
+    def hidden(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: DecoderCache,
+               kv_len: int | None = None) -> torch.Tensor:
+        """Run the blocks for tokens [B, T] at positions input_pos [B, T] -> hidden [B, T, d].
+
+        Row b of the cache holds row b's keys; a query at position p sees cache slots 0..p, so
+        stale slots past a row's length (after a rollback) are never read. `kv_len` (a bound on
+        every position + 1, known on the host) trims the attended window; None attends all slots.
+        """
+        b = tokens.shape[0]
+        s = cache.self_k.shape[3] if kv_len is None else kv_len
+        slots = torch.arange(s, device=tokens.device)
+        mask = (slots <= input_pos[:, :, None])[:, None]  # [B, 1, T, S]
+        x = self.embed_tokens(tokens) + self.embed_positions(input_pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_pos, mask, cache.self_k[i, :b, :, :s], cache.self_v[i, :b, :, :s],
+                      cache.cross_k[i, :b], cache.cross_v[i, :b])
+        return self.layer_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.embed_tokens.weight.T  # tied output head
+
+    def forward(self, tokens, input_pos, cache, kv_len=None) -> torch.Tensor:
+        """tokens [B, T], input_pos [B, T] -> logits [B, T, vocab]."""
+        return self.logits(self.hidden(tokens, input_pos, cache, kv_len))
+
+
+class Whisper(nn.Module):
+    def __init__(self, cfg: WhisperConfig):
+        super().__init__()
+        self.config = cfg
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
