@@ -1,0 +1,182 @@
+"""The draft side of speculative decoding: proposing k tokens, acceptance, cache bookkeeping, and
+the adaptive choice of k. The engine drives it; see the glossary in engine.py."""
+from __future__ import annotations
+
+import torch
+
+from .vocab import VocabMap
+
+MAX_K = 8
+
+
+class Drafter:
+    """A loaded draft model paired with the target it serves."""
+
+    def __init__(self, draft, target, shared_encoder: bool | None = None):
+        self.draft, self.target = draft, target
+        dcfg, tcfg = draft.config, target.config
+        same_encoder = shares_encoder(draft.model, target.model)
+        if shared_encoder is None:
+            shared_encoder = same_encoder
+        elif shared_encoder and not same_encoder:
+            raise ValueError(f"draft {draft.path} does not share the encoder of target {target.path} "
+                             "(encoder configs or weights differ); pass shared_encoder=None or False")
+        self.shared_encoder = shared_encoder
+        if shared_encoder:
+            draft.model.encoder = None  # the target's encoder output serves both
+        elif dcfg.num_mel_bins != tcfg.num_mel_bins:
+            raise ValueError(f"draft {draft.path} expects {dcfg.num_mel_bins} mel bins but target "
+                             f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
+                             "mel front end")
+        self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
+        self.length = DraftLength(None)  # running estimates for num_draft_tokens=None, kept across calls
+
+    def start(self, engine, mel, features, prompts, out, opts, generator) -> "DraftRun | None":
+        tok = self.draft.tokenizer
+        if not tok.multilingual and opts.language not in (None, "en"):
+            return None  # an English-only draft cannot follow another language
+        langs = [engine.target.tokenizer.language_code(p[1]) if len(p) == 4 else None for p in prompts]
+        if not tok.multilingual and any(lang not in (None, "en") for lang in langs):
+            return None
+        dprompts = [tok.prompt(lang if tok.multilingual else None, opts.task) for lang in langs]
+        B = mel.shape[0]
+        cache = engine._cache("draft", self.draft.config, B)
+        draft_features = features if self.shared_encoder else self.draft.model.encoder(mel.to(engine.dtype))
+        self.draft.model.decoder.fill_cross(cache, draft_features, slice(0, B))
+        seqs = [dp + self.vocab.to_draft(o[-1]) for dp, o in zip(dprompts, out)]
+        return DraftRun(self, cache, seqs, engine.device)
+
+
+def shares_encoder(a, b) -> bool:
+    if a.config.d_model != b.config.d_model or a.config.encoder_layers != b.config.encoder_layers \
+            or a.config.num_mel_bins != b.config.num_mel_bins:
+        return False
+    pa, pb = a.encoder.state_dict(), b.encoder.state_dict()
+    return pa.keys() == pb.keys() and all(pa[k].shape == pb[k].shape and torch.equal(pa[k], pb[k]) for k in pa)
+
+
+class DraftRun:
+    """Per-call draft state: each row's draft-side token sequence and how much of it is cached.
+
+    Rows may differ in length (per-row acceptance) and, with a mapped vocabulary, the draft's
+    positions may differ from the target's; each model keeps its own positions.
+    """
+
+    def __init__(self, drafter: Drafter, cache, seqs: list[list[int]], device):
+        self.drafter, self.cache, self.device = drafter, cache, device
+        self.decoder = drafter.draft.model.decoder
+        self.max_pos = drafter.draft.config.max_target_positions
+        tok = drafter.draft.tokenizer
+        self.suppress = torch.tensor(tok.suppress_tokens, dtype=torch.long, device=device)
+        self.seqs = seqs  # draft token ids per row (prompt + emitted, mapped to draft ids)
+        self.cached = [0] * len(seqs)  # leading tokens of each row already in the draft cache
+        self.passes = 0
+        self.valid = [0] * len(seqs)  # usable proposals per row in the last propose()
+        self.raw = None  # last proposals in draft ids [B, k]
+
+    def room(self, done) -> int:
+        """Largest k the draft's positions allow for every active row."""
+        free = [self.max_pos - len(s) for s, d in zip(self.seqs, done) if not d]
+        return max(0, min(free) if free else 0)
+
+    def _step(self, tokens, pos, kv_len):
+        logits = self.decoder(tokens, pos.clamp(max=self.max_pos - 1), self.cache, kv_len=kv_len)[:, -1].float()
+        logits[:, self.suppress] = -float("inf")
+        self.passes += 1
+        return logits
+
+    def propose(self, k: int, done, choose) -> tuple[torch.Tensor, torch.Tensor]:
+        """k draft tokens per row -> (target ids [B, k] with -1 after the first unusable one,
+        draft logits [B, k, V_draft])."""
+        B = len(self.seqs)
+        lens = [len(s) for s in self.seqs]
+        # Catch-up: feed each row's uncached tokens; shorter rows repeat their first uncached
+        # (token, position) on the left, which rewrites the same cache slot with the same values.
+        width = max(n - c for n, c in zip(lens, self.cached))
+        feed, pos = [], []
+        for s, n, c in zip(self.seqs, lens, self.cached):
+            pad = width - (n - c)
+            feed.append([s[c]] * pad + s[c:])
+            pos.append([c] * pad + list(range(c, n)))
+        feed = torch.tensor(feed, device=self.device)
+        pos = torch.tensor(pos, device=self.device)
+        kv_len = min(max(lens) + k, self.max_pos)
+        logits = self._step(feed, pos, kv_len)
+        raw, steps = [], []
+        base = torch.tensor(lens, device=self.device)
+        for j in range(k):
+            steps.append(logits)
+            token = choose(logits)
+            raw.append(token)
+            if j + 1 < k:
+                logits = self._step(token[:, None], (base + j)[:, None], kv_len)
+        self.raw = torch.stack(raw, dim=1)  # [B, k]
+        self.cached = [n + k - 1 for n in lens]  # provisional: fixed up in commit()
+        proposals, valid = self.drafter.vocab.proposals_to_target(self.raw)
+        self.valid = [0 if d else v for v, d in zip(valid.tolist(), done)]
+        return proposals, torch.stack(steps, dim=1)
+
+    def commit(self, accepted: list[int], out: list[list[int]], done) -> None:
+        """After a verify pass: keep the accepted draft tokens' cache entries, append the
+        correction/bonus token (mapped to draft ids), drop the rest by shortening the length."""
+        raw = self.raw.tolist()
+        for b, a in enumerate(accepted):
+            if done[b]:
+                continue
+            n = len(self.seqs[b])
+            self.seqs[b] += raw[b][:a] + self.drafter.vocab.to_draft(out[b][-1])
+            self.cached[b] = min(self.cached[b], n + a)
+
+
+def greedy_accept(target_logits: torch.Tensor, proposals: torch.Tensor):
+    """Greedy acceptance: the longest prefix of proposals equal to the target's argmax, plus the
+    target's own next token. target_logits [B, k+1, V], proposals [B, k] -> (tokens [B, k+1],
+    n_emitted [B])."""
+    choice = target_logits.argmax(dim=-1)
+    match = (proposals == choice[:, :-1]).long()
+    n_accepted = match.cumprod(dim=1).sum(dim=1)
+    return choice, n_accepted + 1
+
+
+class DraftLength:
+    """How many tokens to draft next.
+
+    Fixed when the user gives `num_draft_tokens`. Otherwise adaptive: the acceptance rate α is
+    estimated as accepted / (accepted + rejections) over recent iterations (exponentially weighted),
+    the cost ratio c = (draft step time) / (verify pass time) is measured, and k in 1..8 maximizes
+    the modelled speedup E[tokens per pass] / (k·c + 1) with E = (1 − α^(k+1)) / (1 − α). When even
+    the best k is modelled slower than target-only decoding, speculation is switched off, and one
+    k = 1 probe every 16 plain steps keeps the estimates fresh.
+    """
+
+    def __init__(self, fixed: int | None):
+        self.fixed = fixed
+        self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
+        self.cost_ratio = 0.3  # prior draft-step / verify-pass time
+        self.plain_steps = 0
+        self.k = fixed if fixed is not None else 4
+
+    def best(self) -> tuple[int, float]:
+        alpha = min(self.accepted / self.trials, 0.999)
+        gains = [((1 - alpha ** (k + 1)) / (1 - alpha) / (k * self.cost_ratio + 1), k) for k in range(1, MAX_K + 1)]
+        gain, k = max(gains)
+        return k, gain
+
+    def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
+        if self.fixed is not None:
+            return
+        if k == 0:
+            self.plain_steps += 1
+            if self.plain_steps % 16 == 0:
+                self.k = 1
+            return
+        decay = 0.9
+        rows = [a for a, d in zip(accepted, done) if a >= 0]
+        succ = sum(rows) / max(len(rows), 1)
+        fail = sum(1 for a in rows if a < k) / max(len(rows), 1)
+        self.accepted = decay * self.accepted + succ
+        self.trials = decay * self.trials + succ + fail
+        if verify_seconds > 0:
+            self.cost_ratio = decay * self.cost_ratio + (1 - decay) * (draft_seconds / k) / verify_seconds
+        best_k, gain = self.best()
+        self.k = best_k if gain > 1.0 else 0

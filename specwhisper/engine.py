@@ -1,0 +1,298 @@
+"""The decoding engine: encode once, prefill, then draft -> verify -> accept until every row ends.
+
+Glossary (one iteration of speculative decoding, per batch row):
+- *pending token*: the last emitted token; it is not yet in any cache and is fed first.
+- *drafted* tokens: the k tokens the draft proposes after the pending token (k draft steps).
+- *verify pass*: one target forward over [pending, drafted...] (k + 1 positions).
+- *accepted* tokens: the longest prefix of the drafted tokens equal to the target's own choice
+  at that position; the first drafted token that differs is *rejected*.
+- *correction* token: the target's own token at the first rejected position.
+- *bonus* token: the target's token after the last drafted one, when all k were accepted.
+Each iteration emits the accepted tokens plus one correction or bonus token, so a verify pass
+yields 1..k+1 tokens, and the output is exactly what the target alone would produce. Caches are
+rolled back to the accepted length by changing a length; stale slots are masked and overwritten.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import DecodeOptions, WhisperConfig
+from .model import DecoderCache, Whisper
+from .tokenizer import Tokenizer
+from .weights import load_whisper
+from .draft import DraftLength, Drafter, greedy_accept
+
+N_FRAMES = 3000
+
+
+@dataclass
+class Stats:
+    drafted: int = 0  # draft tokens proposed to the target
+    accepted: int = 0  # draft tokens the target kept
+    target_passes: int = 0  # target decoder forward passes (prefill included)
+    draft_passes: int = 0  # draft decoder forward passes (prefill included)
+    acceptance_rate: float = 1.0  # accepted / drafted (1.0 when nothing was drafted)
+    tokens_per_pass: float = 0.0  # generated tokens incl. EOT / target passes
+    seconds: float = 0.0  # wall time of the call (shared by every row of a batch)
+
+
+@dataclass
+class Transcription:
+    text: str  # decoded text, special tokens removed
+    tokens: list[int]  # generated ids after the prompt, without EOT
+    language: str | None  # language code used in the prompt (None for English-only models)
+    stats: Stats = field(default_factory=Stats)
+
+
+@dataclass
+class LoadedModel:
+    """One Whisper checkpoint with what decoding needs from its folder."""
+
+    model: Whisper
+    tokenizer: Tokenizer
+    path: Path
+
+    @property
+    def config(self) -> WhisperConfig:
+        return self.model.config
+
+    @classmethod
+    def load(cls, path, device, dtype) -> "LoadedModel":
+        path = resolve_model_path(path)
+        model = load_whisper(path, device=device, dtype=dtype)
+        return cls(model, Tokenizer.from_folder(path, model.config.vocab_size), path)
+
+
+def resolve_model_path(path) -> Path:
+    """A local folder as is; any other string is a Hugging Face hub id fetched with
+    `huggingface_hub` (safetensors and json files only)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        raise FileNotFoundError(f"model folder {path} does not exist (expected a folder with "
+                                "config.json and model.safetensors, or a hub id like openai/whisper-base)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"could not fetch {path!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Pass a local folder holding config.json, model.safetensors and tokenizer.json instead "
+            "(for example one made by `specwhisper fetch base` or `specwhisper convert`).") from None
+
+
+class Engine:
+    """Exact Whisper decoding, speculative when a draft is given.
+
+    Thread-safe: calls on one engine serialize on its lock; all state lives in the instance.
+    """
+
+    def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None):
+        self.device = torch.device(device if device is not None else
+                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.target = LoadedModel.load(target, self.device, dtype)
+        self.drafter = None
+        if draft is not None:
+            self.drafter = Drafter(LoadedModel.load(draft, self.device, dtype), self.target, shared_encoder)
+        self._caches: dict[tuple[str, int], DecoderCache] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def n_mels(self) -> int:
+        return self.target.config.num_mel_bins
+
+    # ---------------------------------------------------------------- input checks
+    def _check_mel(self, mel) -> torch.Tensor:
+        if isinstance(mel, np.ndarray):
+            mel = torch.from_numpy(mel)
+        if not isinstance(mel, torch.Tensor):
+            raise TypeError(f"mel must be a torch.Tensor or numpy array, got {type(mel).__name__}")
+        if not mel.is_floating_point():
+            raise TypeError(f"mel must be a floating-point log-mel spectrogram, got dtype {mel.dtype}")
+        if mel.ndim not in (2, 3):
+            raise ValueError(f"mel must be [n_mels, frames] or [batch, n_mels, frames], got shape {tuple(mel.shape)}")
+        batch = mel if mel.ndim == 3 else mel[None]
+        if batch.shape[0] == 0:
+            raise ValueError("mel batch is empty")
+        if batch.shape[1] != self.n_mels:
+            raise ValueError(f"mel has {batch.shape[1]} mel bins but the target expects n_mels={self.n_mels} "
+                             f"(shape {tuple(mel.shape)})")
+        frames = batch.shape[2]
+        if not 0 < frames <= N_FRAMES:
+            raise ValueError(f"mel has {frames} frames; 1..{N_FRAMES} (30 s) are supported per utterance")
+        batch = batch.to(self.device, torch.float32)
+        if not torch.isfinite(batch).all():
+            raise ValueError("mel contains NaN or infinite values")
+        if frames < N_FRAMES:
+            # Whisper pads audio with silence; in normalized log-mel space silence sits at the
+            # per-utterance floor max - 2 (the extractor clamps at max - 8 before (x + 4) / 4).
+            floor = (batch.amax(dim=(1, 2), keepdim=True) - 2.0).clamp(min=-1.5)
+            batch = torch.cat([batch, floor.expand(-1, batch.shape[1], N_FRAMES - frames)], dim=2)
+        return batch
+
+    def _cache(self, role: str, cfg: WhisperConfig, batch: int) -> DecoderCache:
+        """Static caches, allocated once per (model, batch bucket) and reused for every call."""
+        bucket = 1 << (batch - 1).bit_length()
+        key = (role, bucket)
+        if key not in self._caches:
+            self._caches[key] = DecoderCache.allocate(cfg, bucket, self.device, self.dtype)
+        return self._caches[key]
+
+    # ---------------------------------------------------------------- public API
+    def transcribe(self, mel, language: str | None = None, task: str = "transcribe",
+                   temperature: float = 0.0, top_p: float = 1.0, num_draft_tokens: int | None = None,
+                   max_new_tokens: int | None = None, seed: int | None = None):
+        """Decode `mel` [n_mels, frames] -> Transcription, or [batch, n_mels, frames] -> a list."""
+        opts = DecodeOptions(language, task, temperature, top_p, num_draft_tokens, max_new_tokens, seed)
+        single = getattr(mel, "ndim", None) == 2
+        batch = self._check_mel(mel)
+        if language is not None:
+            self.target.tokenizer.prompt(language, task)  # validates the code before any work
+        with self._lock, torch.inference_mode():
+            results = self._decode(batch, opts)
+        return results[0] if single else results
+
+    # ---------------------------------------------------------------- decoding
+    def _choose(self, logits: torch.Tensor, opts: DecodeOptions, generator) -> torch.Tensor:
+        """Target token from processed logits [..., V] (greedy or sampled)."""
+        if opts.temperature == 0.0:
+            return logits.argmax(dim=-1)
+        from . import sampling
+
+        flat = logits.reshape(-1, logits.shape[-1])
+        return sampling.sample(flat, opts.temperature, opts.top_p, generator).view(logits.shape[:-1])
+
+    def _accept(self, target_logits, proposals, draft_logits, opts, generator):
+        """Accept step over a verify pass -> (tokens [B, k+1], n_emitted [B])."""
+        if opts.temperature == 0.0:
+            return greedy_accept(target_logits, proposals)
+        raise NotImplementedError("speculative sampling is not wired yet")
+
+    def _detect_language(self, tcache: DecoderCache, batch: int) -> list[str]:
+        tok, dec = self.target.tokenizer, self.target.model.decoder
+        sot = torch.full((batch, 1), tok.sot, device=self.device)
+        logits = dec(sot, torch.zeros_like(sot), tcache, kv_len=1)[:, 0].float()
+        lang_ids = torch.tensor(list(tok.languages.values()), device=self.device)
+        best = lang_ids[logits[:, lang_ids].argmax(dim=-1)]
+        return [tok.language_code(int(t)) for t in best.tolist()]
+
+    def _decode(self, mel: torch.Tensor, opts: DecodeOptions) -> list[Transcription]:
+        start = time.perf_counter()
+        B = mel.shape[0]
+        target, tok = self.target, self.target.tokenizer
+        cfg, dec = target.config, target.model.decoder
+        generator = None
+        if opts.temperature > 0.0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(opts.seed if opts.seed is not None else int(torch.randint(2**62, ()).item()))
+
+        features = target.model.encoder(mel.to(self.dtype))
+        tcache = self._cache("target", cfg, B)
+        dec.fill_cross(tcache, features, slice(0, B))
+
+        if not tok.multilingual:
+            languages = [None] * B
+            tok.prompt(opts.language, opts.task)  # refuses a non-English language
+        elif opts.language is None:
+            languages = self._detect_language(tcache, B)
+        else:
+            languages = [opts.language.lower()] * B
+        prompts = [tok.prompt(lang if tok.multilingual else opts.language, opts.task) for lang in languages]
+        P = len(prompts[0])
+        max_new = opts.max_new_tokens if opts.max_new_tokens is not None else cfg.max_target_positions - P
+        if P + max_new > cfg.max_target_positions:
+            raise ValueError(f"max_new_tokens={max_new} plus the {P}-token prompt exceeds the decoder "
+                             f"cache of {cfg.max_target_positions} positions")
+
+        suppress = torch.tensor(tok.suppress_tokens, dtype=torch.long, device=self.device)
+        begin_suppress = torch.tensor(tok.begin_suppress_tokens, dtype=torch.long, device=self.device)
+        stats = [Stats() for _ in range(B)]
+        passes = 0  # target passes; one batched pass serves every row
+
+        # Prefill: the whole prompt; its last position predicts the first generated token.
+        prompt = torch.tensor(prompts, device=self.device)
+        pos = torch.arange(P, device=self.device).expand(B, P)
+        logits = dec.logits(dec.hidden(prompt, pos, tcache, kv_len=P)[:, -1:]).float()
+        logits[..., suppress] = -float("inf")
+        logits[..., begin_suppress] = -float("inf")
+        first = self._choose(logits, opts, generator)[:, 0].tolist()
+        passes += 1
+
+        out = [[t] for t in first]
+        done = [t == tok.eot or max_new == 1 for t in first]
+        n = [P] * B  # position of each row's pending token (= tokens in the target cache)
+        spec = None
+        if self.drafter is not None and not all(done):
+            spec = self.drafter.start(self, mel, features, prompts, out, opts, generator)
+        k_rule = DraftLength(opts.num_draft_tokens)
+        if spec is not None and opts.num_draft_tokens is None:
+            k_rule = self.drafter.length  # running estimates carry over between calls
+        choose = lambda lg: self._choose(lg, opts, generator)  # noqa: E731
+
+        while not all(done):
+            remaining = [max_new - len(o) for o in out]
+            k = 0
+            if spec is not None and k_rule.k > 0:
+                k = min(k_rule.k, max(remaining[b] - 1 for b in range(B) if not done[b]), spec.room(done))
+            t0 = time.perf_counter()
+            if k > 0:
+                proposals, draft_logits = spec.propose(k, done, choose)  # [B, k] target ids (-1: none)
+            t1 = time.perf_counter()
+            feed = torch.tensor([[o[-1]] for o in out], device=self.device)
+            if k > 0:
+                feed = torch.cat([feed, proposals.clamp(min=0)], dim=1)
+            limit = cfg.max_target_positions - 1
+            pos = (torch.tensor(n, device=self.device)[:, None] + torch.arange(k + 1, device=self.device)).clamp(max=limit)
+            kv_len = min(max(n) + k + 1, cfg.max_target_positions)
+            logits = dec(feed, pos, tcache, kv_len=kv_len).float()  # [B, k+1, V]
+            logits[..., suppress] = -float("inf")
+            passes += 1
+            if k > 0:
+                tokens, n_emitted = self._accept(logits, proposals, draft_logits, opts, generator)
+            else:
+                tokens = self._choose(logits, opts, generator)
+                n_emitted = torch.ones(B, dtype=torch.long)
+            t2 = time.perf_counter()
+            tokens, n_emitted = tokens.tolist(), n_emitted.tolist()
+            accepted = []
+            for b in range(B):
+                if done[b]:
+                    accepted.append(-1)
+                    continue
+                new = tokens[b][: min(n_emitted[b], remaining[b])]
+                if tok.eot in new:
+                    new = new[: new.index(tok.eot) + 1]
+                accepted.append(len(new) - 1)
+                if k > 0:
+                    stats[b].drafted += spec.valid[b]
+                    stats[b].accepted += len(new) - 1
+                n[b] += len(new)
+                out[b].extend(new)
+                done[b] = new[-1] == tok.eot or len(out[b]) >= max_new
+            if k > 0:
+                spec.commit(accepted, out, done)
+                k_rule.update(k, accepted, done, draft_seconds=t1 - t0, verify_seconds=t2 - t1)
+        seconds = time.perf_counter() - start
+        results = []
+        for b in range(B):
+            s = stats[b]
+            s.target_passes, s.draft_passes = passes, spec.passes if spec is not None else 0
+            s.acceptance_rate = s.accepted / s.drafted if s.drafted else 1.0
+            s.tokens_per_pass = len(out[b]) / passes
+            s.seconds = seconds
+            tokens = out[b][:-1] if out[b][-1] == tok.eot else out[b]
+            results.append(Transcription(tok.decode(tokens), tokens, languages[b], s))
+        return results

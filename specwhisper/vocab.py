@@ -1,0 +1,81 @@
+"""Token mapping between a draft and a target vocabulary, by token string.
+
+Whisper tiny (51865) and large-v3 (51866) share text ids but shift every special token after the
+language list; English-only models (51864) use GPT-2 BPE ids. Both tokenizers are byte-level BPE
+over the same byte alphabet, so a token string means the same bytes in either vocabulary:
+- draft -> target: the target id of the same string, or -1 (the draft run stops there);
+- target -> draft: the draft id of the same string, else the draft BPE's segmentation of that
+  string (several draft tokens; the draft then keeps its own positions).
+Identical vocabularies map by identity with no work per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_SHARED_TEXT = 0.25  # refuse pairs where fewer target text tokens have a draft equivalent
+
+
+@dataclass(frozen=True)
+class VocabMap:
+    identity: bool  # same vocabulary: no mapping at all
+    draft_to_target: torch.Tensor | None  # [V_draft] target id or -1
+    target_to_draft: dict | None  # target id -> list of draft ids (computed lazily per id)
+    draft_backend: object | None  # the draft's tokenizers.Tokenizer, for segmentation
+    target_strings: list | None  # target id -> token string
+    draft_vocab: dict | None  # draft token string -> id
+    shared_text: float  # fraction of target text tokens with a single-token draft equivalent
+
+    @classmethod
+    def build(cls, draft_tok, target_tok, draft_name="draft", target_name="target") -> "VocabMap":
+        dv = draft_tok.backend.get_vocab(with_added_tokens=True)
+        tv = target_tok.backend.get_vocab(with_added_tokens=True)
+        if dv == tv:
+            return cls(True, None, None, None, None, None, 1.0)
+        text = [s for s, i in tv.items() if i < target_tok.eot]
+        shared = sum(1 for s in text if s in dv) / max(len(text), 1)
+        if shared < MIN_SHARED_TEXT or "<|endoftext|>" not in dv:
+            raise ValueError(
+                f"draft {draft_name} cannot serve target {target_name}: comparing the token strings "
+                f"of their tokenizer.json files, only {shared:.1%} of the target's {len(text)} text "
+                f"tokens exist in the draft vocabulary (need >= {MIN_SHARED_TEXT:.0%})")
+        d2t = torch.full((max(dv.values()) + 1,), -1, dtype=torch.long)
+        for s, i in dv.items():
+            if s in tv:
+                d2t[i] = tv[s]
+        strings = [""] * (max(tv.values()) + 1)
+        for s, i in tv.items():
+            strings[i] = s
+        return cls(False, d2t, {}, draft_tok.backend, strings, dv, shared)
+
+    def to_device(self, device) -> "VocabMap":
+        if self.identity or self.draft_to_target.device == torch.device(device):
+            return self
+        return VocabMap(False, self.draft_to_target.to(device), self.target_to_draft,
+                        self.draft_backend, self.target_strings, self.draft_vocab, self.shared_text)
+
+    def to_draft(self, target_id: int) -> list[int]:
+        """Draft ids that spell target token `target_id` (empty if it has no spelling)."""
+        if self.identity:
+            return [target_id]
+        cached = self.target_to_draft.get(target_id)
+        if cached is None:
+            s = self.target_strings[target_id]
+            if s in self.draft_vocab:
+                cached = [self.draft_vocab[s]]
+            elif s.startswith("<|"):
+                cached = []  # a special token the draft does not have
+            else:
+                cached = [t.id for t in self.draft_backend.model.tokenize(s)]
+            self.target_to_draft[target_id] = cached
+        return cached
+
+    def proposals_to_target(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft proposals [B, k] -> (target ids [B, k], -1 from the first unmappable one on;
+        number of usable proposals [B])."""
+        if self.identity:
+            return raw, torch.full((raw.shape[0],), raw.shape[1], dtype=torch.long)
+        mapped = self.draft_to_target.to(raw.device)[raw]
+        ok = (mapped >= 0).long().cumprod(dim=1)
+        return torch.where(ok.bool(), mapped, -1), ok.sum(dim=1).cpu()

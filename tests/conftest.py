@@ -1,0 +1,51 @@
+"""Markers and shared fixtures. Hardware gating lives here: `cuda` tests skip without a GPU;
+`real` tests skip without the fetched checkpoints unless SPECWHISPER_REQUIRE_REAL=1 (CI), where a
+missing checkpoint fails instead."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from checkpoints import make_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+
+
+def require_real() -> bool:
+    return os.environ.get("SPECWHISPER_REQUIRE_REAL") == "1"
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    """Factory of cached tiny random checkpoints: ckpt(name, **make_checkpoint kwargs)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    made = {}
+
+    def get(name: str, **kwargs):
+        if name not in made:
+            made[name] = make_checkpoint(root / name, **kwargs)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def multilingual(ckpt_dir):
+    return ckpt_dir("multilingual", vocab_size=51865, n_mels=80, d_model=64, heads=4, seed=1)
+
+
+@pytest.fixture(scope="session")
+def english(ckpt_dir):
+    return ckpt_dir("english", vocab_size=51864, n_mels=80, d_model=48, heads=3, seed=2)
+
+
+@pytest.fixture(scope="session")
+def v3(ckpt_dir):
+    return ckpt_dir("v3", vocab_size=51866, n_mels=128, d_model=80, heads=5, seed=3)

@@ -1,0 +1,122 @@
+"""Target-only greedy decoding: parity with `transformers` generate, language detection, the
+static caches, input checking."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import hf_generate
+from specwhisper import Engine, load_audio, log_mel_spectrogram
+from specwhisper.model import DecoderCache
+from specwhisper.samples import sample_paths
+from specwhisper.weights import load_whisper
+
+MAX_NEW = 30
+
+
+def speech_mels(n_mels: int, count: int) -> torch.Tensor:
+    paths = sample_paths()[:count]
+    return torch.stack([log_mel_spectrogram(load_audio(p), n_mels=n_mels) for p in paths])
+
+
+@pytest.mark.parametrize("name", ["multilingual", "english", "v3"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_matches_transformers(request, name, batch):
+    folder = request.getfixturevalue(name)
+    engine = Engine(folder)
+    mel = speech_mels(engine.n_mels, batch)
+    multilingual = engine.target.tokenizer.multilingual
+    language = "en" if multilingual else None
+    expected = hf_generate(folder, mel, language, MAX_NEW)
+    out = engine.transcribe(mel, language=language, max_new_tokens=MAX_NEW)
+    assert [o.tokens for o in out] == expected
+    assert all(len(o.tokens) >= 20 for o in out), [len(o.tokens) for o in out]
+    assert all(o.stats.tokens_per_pass <= 1.0 and o.stats.drafted == 0 for o in out)
+    single = engine.transcribe(mel[0], language=language, max_new_tokens=MAX_NEW)
+    assert single.tokens == expected[0] and isinstance(single.text, str)
+
+
+def test_language_detection_matches_transformers(multilingual):
+    from transformers import WhisperForConditionalGeneration
+
+    engine = Engine(multilingual)
+    mel = speech_mels(80, 3) + torch.randn(3, 80, 3000)  # push rows towards different languages
+    hf = WhisperForConditionalGeneration.from_pretrained(multilingual).eval()
+    with torch.no_grad():
+        expected_ids = hf.detect_language(mel).tolist()
+    tok = engine.target.tokenizer
+    out = engine.transcribe(mel, max_new_tokens=5)
+    assert [o.language for o in out] == [tok.language_code(i) for i in expected_ids]
+    # the detected language is used in the prompt: same tokens as decoding with it given
+    for row, o in enumerate(out):
+        again = engine.transcribe(mel[row], language=o.language, max_new_tokens=5)
+        assert again.tokens == o.tokens
+
+
+def test_incremental_decoding_equals_full_recomputation(multilingual):
+    model = load_whisper(multilingual)
+    torch.manual_seed(0)
+    features = model.encoder(torch.randn(2, 80, 3000))
+    tokens = torch.randint(0, 50000, (2, 24))
+    full_cache = DecoderCache.allocate(model.config, 2, "cpu", torch.float32)
+    model.decoder.fill_cross(full_cache, features)
+    pos = torch.arange(24).expand(2, 24)
+    full = model.decoder(tokens, pos, full_cache)
+    cache = DecoderCache.allocate(model.config, 2, "cpu", torch.float32)
+    model.decoder.fill_cross(cache, features)
+    steps = [model.decoder(tokens[:, :5], pos[:, :5], cache, kv_len=5)]
+    for t in range(5, 24):
+        steps.append(model.decoder(tokens[:, t:t + 1], pos[:, t:t + 1], cache, kv_len=t + 1))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_at_different_positions(multilingual):
+    """Per-row positions: each row of a batch decodes as if it were alone."""
+    model = load_whisper(multilingual)
+    torch.manual_seed(1)
+    features = model.encoder(torch.randn(2, 80, 3000))
+    tokens = torch.randint(0, 50000, (2, 12))
+    cache = DecoderCache.allocate(model.config, 2, "cpu", torch.float32)
+    model.decoder.fill_cross(cache, features)
+    model.decoder(tokens[:, :6], torch.arange(6).expand(2, 6), cache)
+    # row 0 continues at 6..7, row 1 re-writes (rolls back to) 3..4 with other tokens
+    pos = torch.tensor([[6, 7], [3, 4]])
+    step = model.decoder(torch.stack([tokens[0, 6:8], tokens[1, 9:11]]), pos, cache)
+    for row, (seq, p) in enumerate([(tokens[0, :8], 8), (torch.cat([tokens[1, :3], tokens[1, 9:11]]), 5)]):
+        solo = DecoderCache.allocate(model.config, 1, "cpu", torch.float32)
+        model.decoder.fill_cross(solo, features[row:row + 1])
+        ref = model.decoder(seq[None], torch.arange(p)[None], solo)[0, -2:]
+        torch.testing.assert_close(step[row], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_caches_are_reused_across_calls(multilingual):
+    engine = Engine(multilingual)
+    mel = speech_mels(80, 1)[0]
+    engine.transcribe(mel, language="en", max_new_tokens=8)
+    before = {key: [t.data_ptr() for t in c.buffers()] for key, c in engine._caches.items()}
+    for _ in range(50):
+        engine.transcribe(mel, language="en", max_new_tokens=8)
+    after = {key: [t.data_ptr() for t in c.buffers()] for key, c in engine._caches.items()}
+    assert before == after and len(before) == 1
+
+
+def test_engine_is_thread_safe(multilingual):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = Engine(multilingual)
+    mels = speech_mels(80, 3)
+    expected = [engine.transcribe(m, language="en", max_new_tokens=12).tokens for m in mels]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: engine.transcribe(mels[i % 3], language="en", max_new_tokens=12).tokens,
+                            range(12)))
+    assert got == [expected[i % 3] for i in range(12)]
+
+
+def test_short_mel_is_padded_like_the_feature_extractor(multilingual):
+    engine = Engine(multilingual)
+    audio = load_audio(sample_paths()[0])
+    full = log_mel_spectrogram(audio, n_mels=80)
+    frames = len(audio) // 160
+    short = engine.transcribe(full[:, :frames], language="en", max_new_tokens=10)
+    padded = engine.transcribe(full, language="en", max_new_tokens=10)
+    assert short.tokens == padded.tokens
