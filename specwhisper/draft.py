@@ -66,8 +66,6 @@ class DraftRun:
         self.drafter, self.cache, self.device = drafter, cache, device
         self.decoder = drafter.draft.model.decoder
         self.max_pos = drafter.draft.config.max_target_positions
-        tok = drafter.draft.tokenizer
-        self.suppress = torch.tensor(tok.suppress_tokens, dtype=torch.long, device=device)
         self.seqs = seqs  # draft token ids per row (prompt + emitted, mapped to draft ids)
         self.cached = [0] * len(seqs)  # leading tokens of each row already in the draft cache
         self.passes = 0
@@ -79,42 +77,43 @@ class DraftRun:
         free = [self.max_pos - len(s) for s, d in zip(self.seqs, done) if not d]
         return max(0, min(free) if free else 0)
 
-    def _step(self, tokens, pos, kv_len):
-        logits = self.decoder(tokens, pos.clamp(max=self.max_pos - 1), self.cache, kv_len=kv_len)[:, -1].float()
-        logits[:, self.suppress] = -float("inf")
+    def _step(self, tokens, pos, kv_len, pick):
+        hidden = self.decoder.hidden(tokens, pos.clamp(max=self.max_pos - 1), self.cache, kv_len=kv_len)
         self.passes += 1
-        return logits
+        token, logits = pick(self.drafter.draft, hidden[:, -1:])
+        return token[:, 0], None if logits is None else logits[:, 0]
 
-    def propose(self, k: int, done, choose) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, k: int, done, pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row -> (target ids [B, k] with -1 after the first unusable one,
-        draft logits [B, k, V_draft])."""
+        suppressed draft logits [B, k, V_draft] when sampling, else None)."""
         B = len(self.seqs)
         lens = [len(s) for s in self.seqs]
         # Catch-up: feed each row's uncached tokens; shorter rows repeat their first uncached
         # (token, position) on the left, which rewrites the same cache slot with the same values.
-        width = max(n - c for n, c in zip(lens, self.cached))
+        # A row with nothing uncached (finished, or its last token had no draft spelling)
+        # re-feeds its last token, whose logits predict the next position.
+        starts = [min(c, n - 1) for n, c in zip(lens, self.cached)]
+        width = max(n - c for n, c in zip(lens, starts))
         feed, pos = [], []
-        for s, n, c in zip(self.seqs, lens, self.cached):
+        for s, n, c in zip(self.seqs, lens, starts):
             pad = width - (n - c)
             feed.append([s[c]] * pad + s[c:])
             pos.append([c] * pad + list(range(c, n)))
         feed = torch.tensor(feed, device=self.device)
         pos = torch.tensor(pos, device=self.device)
         kv_len = min(max(lens) + k, self.max_pos)
-        logits = self._step(feed, pos, kv_len)
-        raw, steps = [], []
+        token, logits = self._step(feed, pos, kv_len, pick)
+        raw, steps = [token], [logits]
         base = torch.tensor(lens, device=self.device)
-        for j in range(k):
-            steps.append(logits)
-            token = choose(logits)
+        for j in range(1, k):
+            token, logits = self._step(token[:, None], (base + j - 1)[:, None], kv_len, pick)
             raw.append(token)
-            if j + 1 < k:
-                logits = self._step(token[:, None], (base + j)[:, None], kv_len)
+            steps.append(logits)
         self.raw = torch.stack(raw, dim=1)  # [B, k]
         self.cached = [n + k - 1 for n in lens]  # provisional: fixed up in commit()
         proposals, valid = self.drafter.vocab.proposals_to_target(self.raw)
         self.valid = [0 if d else v for v, d in zip(valid.tolist(), done)]
-        return proposals, torch.stack(steps, dim=1)
+        return proposals, None if steps[0] is None else torch.stack(steps, dim=1)
 
     def commit(self, accepted: list[int], out: list[list[int]], done) -> None:
         """After a verify pass: keep the accepted draft tokens' cache entries, append the
@@ -126,16 +125,6 @@ class DraftRun:
             n = len(self.seqs[b])
             self.seqs[b] += raw[b][:a] + self.drafter.vocab.to_draft(out[b][-1])
             self.cached[b] = min(self.cached[b], n + a)
-
-
-def greedy_accept(target_logits: torch.Tensor, proposals: torch.Tensor):
-    """Greedy acceptance: the longest prefix of proposals equal to the target's argmax, plus the
-    target's own next token. target_logits [B, k+1, V], proposals [B, k] -> (tokens [B, k+1],
-    n_emitted [B])."""
-    choice = target_logits.argmax(dim=-1)
-    match = (proposals == choice[:, :-1]).long()
-    n_accepted = match.cumprod(dim=1).sum(dim=1)
-    return choice, n_accepted + 1
 
 
 class DraftLength:

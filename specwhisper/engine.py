@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from .config import DecodeOptions, WhisperConfig
-from .model import DecoderCache, Whisper
-from .tokenizer import Tokenizer
-from .weights import load_whisper
-from .draft import DraftLength, Drafter, greedy_accept
+from .decoding import LoadedModel
+from .model import DecoderCache
+from . import sampling
+from .draft import DraftLength, Drafter
 
 N_FRAMES = 3000
 
@@ -48,45 +48,6 @@ class Transcription:
     tokens: list[int]  # generated ids after the prompt, without EOT
     language: str | None  # language code used in the prompt (None for English-only models)
     stats: Stats = field(default_factory=Stats)
-
-
-@dataclass
-class LoadedModel:
-    """One Whisper checkpoint with what decoding needs from its folder."""
-
-    model: Whisper
-    tokenizer: Tokenizer
-    path: Path
-
-    @property
-    def config(self) -> WhisperConfig:
-        return self.model.config
-
-    @classmethod
-    def load(cls, path, device, dtype) -> "LoadedModel":
-        path = resolve_model_path(path)
-        model = load_whisper(path, device=device, dtype=dtype)
-        return cls(model, Tokenizer.from_folder(path, model.config.vocab_size), path)
-
-
-def resolve_model_path(path) -> Path:
-    """A local folder as is; any other string is a Hugging Face hub id fetched with
-    `huggingface_hub` (safetensors and json files only)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        return p
-    if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
-        raise FileNotFoundError(f"model folder {path} does not exist (expected a folder with "
-                                "config.json and model.safetensors, or a hub id like openai/whisper-base)")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as exc:
-        raise FileNotFoundError(
-            f"could not fetch {path!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
-            "Pass a local folder holding config.json, model.safetensors and tokenizer.json instead "
-            "(for example one made by `specwhisper fetch base` or `specwhisper convert`).") from None
 
 
 class Engine:
@@ -166,20 +127,31 @@ class Engine:
         return results[0] if single else results
 
     # ---------------------------------------------------------------- decoding
-    def _choose(self, logits: torch.Tensor, opts: DecodeOptions, generator) -> torch.Tensor:
-        """Target token from processed logits [..., V] (greedy or sampled)."""
-        if opts.temperature == 0.0:
-            return logits.argmax(dim=-1)
-        from . import sampling
+    def _accept(self, choice, target_logits, proposals, draft_logits, opts, generator):
+        """Accept step over a verify pass -> (tokens [B, k+1], n_emitted [B]). Greedy needs only
+        the target's choices [B, k+1]; sampling needs both models' suppressed logits.
 
-        flat = logits.reshape(-1, logits.shape[-1])
-        return sampling.sample(flat, opts.temperature, opts.top_p, generator).view(logits.shape[:-1])
-
-    def _accept(self, target_logits, proposals, draft_logits, opts, generator):
-        """Accept step over a verify pass -> (tokens [B, k+1], n_emitted [B])."""
+        With another draft vocabulary, sampling runs over the target's ids plus one extra id for
+        "a draft token the target cannot spell": the draft's mass there is always rejected
+        (the target gives it probability 0), which keeps the output distribution exact."""
         if opts.temperature == 0.0:
-            return greedy_accept(target_logits, proposals)
-        raise NotImplementedError("speculative sampling is not wired yet")
+            n_accepted = (proposals == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            return choice, n_accepted + 1
+        vocab = self.drafter.vocab
+        if vocab.identity:
+            return sampling.speculative_sample(target_logits, draft_logits, proposals,
+                                               opts.temperature, opts.top_p, generator)
+        target_probs = sampling.processed_probs(target_logits, opts.temperature, opts.top_p)
+        draft_probs = sampling.processed_probs(draft_logits, opts.temperature, opts.top_p)
+        B, k, V = target_logits.shape[0], proposals.shape[1], target_logits.shape[-1]
+        mapped = vocab.draft_to_target.to(self.device)
+        ok = mapped >= 0
+        q = torch.zeros(B, k, V + 1, device=self.device)
+        q[..., mapped[ok]] = draft_probs[..., ok]
+        q[..., V] = draft_probs[..., ~ok].sum(-1)
+        p = torch.nn.functional.pad(target_probs, (0, 1))
+        unspellable = torch.where(proposals >= 0, proposals, V)
+        return sampling.speculative_sample(p.log(), q.log(), unspellable, 1.0, 1.0, generator)
 
     def _detect_language(self, tcache: DecoderCache, batch: int) -> list[str]:
         tok, dec = self.target.tokenizer, self.target.model.decoder
@@ -217,18 +189,15 @@ class Engine:
             raise ValueError(f"max_new_tokens={max_new} plus the {P}-token prompt exceeds the decoder "
                              f"cache of {cfg.max_target_positions} positions")
 
-        suppress = torch.tensor(tok.suppress_tokens, dtype=torch.long, device=self.device)
-        begin_suppress = torch.tensor(tok.begin_suppress_tokens, dtype=torch.long, device=self.device)
+        pick = lambda model, hidden, first=False: model.pick(  # noqa: E731
+            hidden, first, opts.temperature, opts.top_p, generator)
         stats = [Stats() for _ in range(B)]
         passes = 0  # target passes; one batched pass serves every row
 
         # Prefill: the whole prompt; its last position predicts the first generated token.
         prompt = torch.tensor(prompts, device=self.device)
         pos = torch.arange(P, device=self.device).expand(B, P)
-        logits = dec.logits(dec.hidden(prompt, pos, tcache, kv_len=P)[:, -1:]).float()
-        logits[..., suppress] = -float("inf")
-        logits[..., begin_suppress] = -float("inf")
-        first = self._choose(logits, opts, generator)[:, 0].tolist()
+        first = pick(target, dec.hidden(prompt, pos, tcache, kv_len=P)[:, -1:], first=True)[0][:, 0].tolist()
         passes += 1
 
         out = [[t] for t in first]
@@ -240,7 +209,6 @@ class Engine:
         k_rule = DraftLength(opts.num_draft_tokens)
         if spec is not None and opts.num_draft_tokens is None:
             k_rule = self.drafter.length  # running estimates carry over between calls
-        choose = lambda lg: self._choose(lg, opts, generator)  # noqa: E731
 
         while not all(done):
             remaining = [max_new - len(o) for o in out]
@@ -249,7 +217,7 @@ class Engine:
                 k = min(k_rule.k, max(remaining[b] - 1 for b in range(B) if not done[b]), spec.room(done))
             t0 = time.perf_counter()
             if k > 0:
-                proposals, draft_logits = spec.propose(k, done, choose)  # [B, k] target ids (-1: none)
+                proposals, draft_logits = spec.propose(k, done, pick)  # [B, k] target ids (-1: none)
             t1 = time.perf_counter()
             feed = torch.tensor([[o[-1]] for o in out], device=self.device)
             if k > 0:
@@ -257,14 +225,12 @@ class Engine:
             limit = cfg.max_target_positions - 1
             pos = (torch.tensor(n, device=self.device)[:, None] + torch.arange(k + 1, device=self.device)).clamp(max=limit)
             kv_len = min(max(n) + k + 1, cfg.max_target_positions)
-            logits = dec(feed, pos, tcache, kv_len=kv_len).float()  # [B, k+1, V]
-            logits[..., suppress] = -float("inf")
+            choice, logits = pick(target, dec.hidden(feed, pos, tcache, kv_len=kv_len))  # [B, k+1]
             passes += 1
             if k > 0:
-                tokens, n_emitted = self._accept(logits, proposals, draft_logits, opts, generator)
+                tokens, n_emitted = self._accept(choice, logits, proposals, draft_logits, opts, generator)
             else:
-                tokens = self._choose(logits, opts, generator)
-                n_emitted = torch.ones(B, dtype=torch.long)
+                tokens, n_emitted = choice, torch.ones(B, dtype=torch.long)
             t2 = time.perf_counter()
             tokens, n_emitted = tokens.tolist(), n_emitted.tolist()
             accepted = []

@@ -22,6 +22,17 @@ def require_real() -> bool:
     return os.environ.get("SPECWHISPER_REQUIRE_REAL") == "1"
 
 
+def real_folder(name: str):
+    """The fetched, converted checkpoint `name`; skips (fails in CI) when it is absent."""
+    from specwhisper.fetch import cache_root, is_fetched
+
+    if not is_fetched(name):
+        if require_real():
+            pytest.fail(f"real checkpoint {name!r} is missing from {cache_root()} (run `specwhisper fetch {name}`)")
+        pytest.skip(f"real checkpoint {name!r} not fetched (run `specwhisper fetch {name}`)")
+    return cache_root() / name
+
+
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory):
     """Factory of cached tiny random checkpoints: ckpt(name, **make_checkpoint kwargs)."""

@@ -1,0 +1,77 @@
+"""A loaded checkpoint and how tokens are picked from its decoder output (greedy or sampled,
+with Whisper's suppression rules)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import sampling
+from .config import WhisperConfig
+from .head import ScreenedHead
+from .model import Whisper
+from .tokenizer import Tokenizer
+from .weights import load_whisper
+
+
+@dataclass
+class LoadedModel:
+    """One Whisper checkpoint with what decoding needs from its folder."""
+
+    model: Whisper
+    tokenizer: Tokenizer
+    path: Path
+    suppress: torch.Tensor  # [V] bool: suppressed at every step
+    begin_suppress: torch.Tensor  # [V] bool: suppressed at the first generated position
+    head: ScreenedHead | None  # exact greedy argmax read in bfloat16 (float32 models)
+
+    @property
+    def config(self) -> WhisperConfig:
+        return self.model.config
+
+    @classmethod
+    def load(cls, path, device, dtype) -> "LoadedModel":
+        path = resolve_model_path(path)
+        model = load_whisper(path, device=device, dtype=dtype)
+        tok = Tokenizer.from_folder(path, model.config.vocab_size)
+        vocab = model.config.vocab_size
+        suppress = torch.zeros(vocab, dtype=torch.bool, device=device)
+        suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
+        begin = suppress.clone()
+        begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
+        head = ScreenedHead(model.decoder.embed_tokens.weight) if dtype == torch.float32 else None
+        return cls(model, tok, path, suppress, begin, head)
+
+    def pick(self, hidden: torch.Tensor, first: bool, temperature: float, top_p: float, generator):
+        """Tokens [B, T] from decoder hidden states [B, T, d]; also the suppressed float32 logits
+        [B, T, V] when sampling (None when greedy: the screened head never forms them)."""
+        banned = self.begin_suppress if first else self.suppress
+        B, T, d = hidden.shape
+        if temperature == 0.0 and self.head is not None:
+            return self.head.argmax(hidden.reshape(B * T, d), banned).view(B, T), None
+        logits = self.model.decoder.logits(hidden).float().masked_fill_(banned, -float("inf"))
+        if temperature == 0.0:
+            return logits.argmax(dim=-1), None
+        flat = logits.reshape(B * T, -1)
+        return sampling.sample(flat, temperature, top_p, generator).view(B, T), logits
+
+
+def resolve_model_path(path) -> Path:
+    """A local folder as is; any other string is a Hugging Face hub id fetched with
+    `huggingface_hub` (safetensors and json files only)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        raise FileNotFoundError(f"model folder {path} does not exist (expected a folder with "
+                                "config.json and model.safetensors, or a hub id like openai/whisper-base)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"could not fetch {path!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Pass a local folder holding config.json, model.safetensors and tokenizer.json instead "
+            "(for example one made by `specwhisper fetch base` or `specwhisper convert`).") from None

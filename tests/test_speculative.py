@@ -1,0 +1,177 @@
+"""Speculative greedy decoding is exact: token for token the target's own greedy output, for
+every draft kind, k, batch size, EOT position and max_new_tokens cut-off."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import make_checkpoint
+from specwhisper import Engine
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target(ckpt_dir):
+    return ckpt_dir("spec-target", vocab_size=51865, d_model=64, heads=4, seed=11)
+
+
+def perturbed(src, dst, scale: float, seed: int):
+    """A copy of `src` whose decoder weights carry relative noise `scale`: a draft that agrees
+    with the target often but not always."""
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for key, value in state.items():
+        if key.startswith("model.decoder.layers") and value.ndim == 2:
+            state[key] = value + scale * value.std() * torch.randn(value.shape, generator=gen)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory, ckpt_dir):
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "self": target,  # same weights: every proposal is accepted
+        "noisy": perturbed(target, root / "noisy", 0.05, seed=1),  # own (identical) encoder, shared
+        "wrong": ckpt_dir("spec-wrong", vocab_size=51865, d_model=32, heads=2, encoder_layers=1,
+                          decoder_layers=1, seed=99),  # unrelated: (almost) never right
+        "shared": make_checkpoint(root / "shared", vocab_size=51865, d_model=64, heads=4, seed=12,
+                                  decoder_layers=1, encoder_from=target),  # distil-style
+    }
+
+
+@pytest.fixture(scope="module")
+def mels():
+    torch.manual_seed(0)
+    return torch.randn(4, 80, 3000)
+
+
+@pytest.fixture(scope="module")
+def reference(target, mels):
+    engine = Engine(target)
+    return [o.tokens for o in engine.transcribe(mels, language="en", max_new_tokens=MAX_NEW)]
+
+
+def test_reference_is_long_enough(reference):
+    assert all(len(t) >= 20 for t in reference)
+
+
+@pytest.mark.parametrize("kind", ["self", "noisy", "wrong", "shared"])
+@pytest.mark.parametrize("k", range(1, 9))
+def test_speculative_equals_target_only(kind, k, drafts, target, mels, reference):
+    batch = 1 + (k + len(kind)) % 4  # every k and every batch size 1..4 across the grid
+    engine = Engine(target, drafts[kind])
+    out = engine.transcribe(mels[:batch], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=k)
+    assert [o.tokens for o in out] == reference[:batch]
+    if batch == 1:
+        # the loop really verifies: every emitted token (EOT included) came from the prefill or
+        # a verify pass, which yields its accepted tokens + 1
+        o = out[0]
+        assert len(o.tokens) + (len(o.tokens) < MAX_NEW) == o.stats.target_passes + o.stats.accepted
+        assert o.stats.drafted <= k * (o.stats.target_passes - 1)
+        assert o.stats.drafted == o.stats.draft_passes  # one proposal per draft pass
+    if kind == "self":
+        assert all(o.stats.acceptance_rate == 1.0 for o in out)
+        n = max(len(t) + (len(t) < MAX_NEW) for t in reference[:batch])
+        assert out[0].stats.target_passes == 1 + -(-(n - 1) // (k + 1))  # ceil: k + 1 tokens per pass
+    if kind == "wrong":
+        assert sum(o.stats.accepted for o in out) <= 0.1 * sum(o.stats.drafted for o in out)
+    if kind == "noisy":
+        rate = sum(o.stats.accepted for o in out) / sum(o.stats.drafted for o in out)
+        assert 0.05 < rate < 1.0, rate
+
+
+def test_shared_encoder_is_detected_and_run_once(target, drafts):
+    engine = Engine(target, drafts["shared"])
+    assert engine.drafter.shared_encoder and engine.drafter.draft.model.encoder is None
+    assert not Engine(target, drafts["wrong"]).drafter.shared_encoder
+    with pytest.raises(ValueError, match="does not share the encoder"):
+        Engine(target, drafts["wrong"], shared_encoder=True)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_max_new_tokens_cut_inside_a_run(k, target, mels, reference):
+    engine = Engine(target, target)
+    for max_new in range(1, 2 * k + 4):
+        out = engine.transcribe(mels[0], language="en", max_new_tokens=max_new, num_draft_tokens=k)
+        assert out.tokens == reference[0][:max_new]
+
+
+def relabel_eot(src, dst, token: int):
+    """Copy a checkpoint, swapping the strings of `token` and <|endoftext|> in tokenizer.json:
+    the same weights then end a sequence wherever they first emit `token`."""
+    shutil.copytree(src, dst)
+    path = dst / "tokenizer.json"
+    tj = json.loads(path.read_text())
+    eot = next(a for a in tj["added_tokens"] if a["content"] == "<|endoftext|>")
+    added = next((a for a in tj["added_tokens"] if a["id"] == token), None)
+    if added is not None:  # a special token (e.g. a language token): swap the two contents
+        added["content"], eot["content"] = eot["content"], added["content"]
+    else:
+        # `tokenizers` numbers added tokens itself, so both strings move into the BPE vocab
+        vocab = tj["model"]["vocab"]
+        string = next(s for s, i in vocab.items() if i == token)
+        vocab[string], vocab["<|endoftext|>"] = eot["id"], token
+        tj["added_tokens"].remove(eot)
+    path.write_text(json.dumps(tj))
+    return dst
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_eot_at_every_position_of_a_draft_run(k, target, mels, reference, tmp_path):
+    """With a draft that is always right, the first run after the prefill covers generated
+    tokens 1..k+1; an EOT at each of them must end the output right there."""
+    seq = reference[0]
+    offsets = [j for j in range(1, k + 2) if seq[j] not in seq[:j]]
+    assert len(offsets) >= k - 1, seq[: k + 2]  # the reference must be varied enough to test
+    for j in offsets:
+        folder = relabel_eot(target, tmp_path / f"eot{j}", seq[j])
+        plain = Engine(folder).transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+        assert plain.tokens == seq[:j]
+        spec = Engine(folder, folder).transcribe(mels[0], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=k)
+        assert spec.tokens == seq[:j]
+        assert spec.stats.target_passes == 2  # prefill + one verify pass that met the EOT
+
+
+@pytest.mark.parametrize("kind", ["self", "noisy", "wrong"])
+def test_adaptive_k_is_exact_and_backs_off(kind, target, drafts, mels, reference):
+    engine = Engine(target, drafts[kind])
+    for _ in range(2):
+        out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW)
+        assert [o.tokens for o in out] == reference[:2]
+    if kind == "wrong":  # speculation switched off: only occasional k = 1 probes remain
+        assert out[0].stats.drafted <= 2 * 4
+
+
+def test_draft_length_rule():
+    """The adaptive rule: long runs for a cheap, accurate draft; off for a useless one, with
+    sparse k = 1 probes; fixed k stays fixed."""
+    from specwhisper.draft import DraftLength
+
+    rule = DraftLength(None)
+    for _ in range(30):  # everything accepted, draft step 5% of a verify pass
+        rule.update(rule.k, [rule.k], [False], draft_seconds=0.05 * rule.k, verify_seconds=1.0)
+    assert rule.k == 8
+    for _ in range(100):  # nothing accepted any more: the estimate decays until drafting stops paying
+        rule.update(max(rule.k, 1), [0], [False], draft_seconds=0.05 * max(rule.k, 1), verify_seconds=1.0)
+        if rule.k == 0:
+            break
+    assert rule.k == 0
+    ks = []
+    for _ in range(48):
+        ks.append(rule.k)
+        rule.update(rule.k, [0], [False], 0.05 * rule.k, 1.0)
+    assert ks.count(1) == 2 and set(ks) == {0, 1}  # one k = 1 probe per 16 plain steps
+    rule = DraftLength(None)
+    for _ in range(100):  # accurate but as slow as the target (a self-draft): not worth it
+        rule.update(max(rule.k, 1), [max(rule.k, 1)], [False], draft_seconds=1.0 * max(rule.k, 1), verify_seconds=1.0)
+    assert rule.k == 0
+    fixed = DraftLength(5)
+    fixed.update(5, [0], [False], 1.0, 1.0)
+    assert fixed.k == 5
