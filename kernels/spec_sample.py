@@ -1,0 +1,266 @@
+"""Fused speculative-sampling step: accept / reject / resample in one Triton launch.
+
+Algorithm: speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
+arXiv 2302.01318). One program per batch row walks the draft positions in order; at each it
+builds the processed target and draft distributions p and q (softmax at a temperature, then a
+sort-free top-p threshold found by bisection, as FlashInfer's pivot search), accepts the draft
+token x iff q(x) > 0 and u * q(x) < p(x), and stops at the first rejection. The recovered token
+(or the bonus token after k acceptances) is the exponential race argmax(max(p - q, 0) / E).
+
+Reference: `specwhisper.sampling.speculative_sample_noise`, reproduced bit for bit on tokens and
+counts. That rests on the reference's arithmetic contract: the same fp32 exp polynomial, integer
+weights whose float64 sums are exact in any reduction order, and IEEE float64 compares and
+divides. fp32 `/` is avoided (Triton lowers it to the approximate div.full.f32) and FMA
+contraction is disabled at launch. Tiles past the vocabulary load -inf logits, hence weight 0, and
+score -1 in the argmax, below every real score (>= 0): they never win a reduction.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specwhisper import sampling
+
+_EXP_MIN_ARG = tl.constexpr(sampling._EXP_MIN_ARG)
+_LOG2E = tl.constexpr(sampling._LOG2E)
+_ROUND_MAGIC = tl.constexpr(sampling._ROUND_MAGIC)
+_LN2_HI = tl.constexpr(sampling._LN2_HI)
+_LN2_LO = tl.constexpr(sampling._LN2_LO)
+_C7, _C6, _C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in sampling._EXP_POLY)
+_WEIGHT_SCALE = tl.constexpr(sampling._WEIGHT_SCALE)
+_ROUND_MAGIC64 = tl.constexpr(sampling._ROUND_MAGIC64)
+_INF = tl.constexpr(float("inf"))
+
+
+@triton.jit
+def _exp_f32(s):
+    """exp(s), s <= 0: the reference's fixed sequence of fp32 operations."""
+    s = tl.maximum(s, _EXP_MIN_ARG)
+    n = (s * _LOG2E + _ROUND_MAGIC) - _ROUND_MAGIC
+    r = (s - n * _LN2_HI) - n * _LN2_LO
+    poly = r * _C7 + _C6
+    poly = poly * r + _C5
+    poly = poly * r + _C4
+    poly = poly * r + _C3
+    poly = poly * r + _C2
+    poly = poly * r + _C1
+    poly = poly * r + _C0
+    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return poly * two_n
+
+
+@triton.jit
+def _weights(logits, row_max, inv_t):
+    """Integer weights (float64) of a tile of fp32 logits; -inf logits give 0."""
+    scaled = (_exp_f32((logits - row_max) * inv_t) * _WEIGHT_SCALE).to(tl.float64)
+    return (scaled + _ROUND_MAGIC64) - _ROUND_MAGIC64
+
+
+@triton.jit
+def _load_tile(row_ptr, start, V, BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < V
+    return tl.load(row_ptr + offs, mask=mask, other=-_INF).to(tl.float32), mask
+
+
+@triton.jit
+def _distribution(row_ptr, V, inv_t, top_p, TOP_P: tl.constexpr, BLOCK: tl.constexpr):
+    """(row max, top-p threshold tau, 1 / kept mass) of one row of logits."""
+    row_max = tl.full([], -_INF, tl.float32)
+    for start in range(0, V, BLOCK):
+        logits, mask = _load_tile(row_ptr, start, V, BLOCK)
+        row_max = tl.maximum(row_max, tl.max(logits, axis=0))
+    total = tl.full([], 0.0, tl.float64)
+    for start in range(0, V, BLOCK):
+        logits, mask = _load_tile(row_ptr, start, V, BLOCK)
+        total += tl.sum(_weights(logits, row_max, inv_t), axis=0)  # exact: integers < 2^53
+    tau = tl.full([], 1.0, tl.float64)
+    kept = total
+    if TOP_P:
+        # Bisection over the threshold value, snapped to weights (see sampling._top_p_threshold);
+        # it stops as soon as no weight lies strictly between lo (feasible) and hi (infeasible).
+        target = total * tl.cast(top_p, tl.float64)
+        hi = tl.full([], _WEIGHT_SCALE + 1.0, tl.float64)
+        while hi - tau > 1.0:
+            mid = tl.floor((tau + hi) * 0.5)
+            mass = tl.full([], 0.0, tl.float64)
+            min_kept = tl.full([], _INF, tl.float64)
+            max_dropped = tl.full([], -1.0, tl.float64)
+            for start in range(0, V, BLOCK):
+                logits, mask = _load_tile(row_ptr, start, V, BLOCK)
+                weights = _weights(logits, row_max, inv_t)
+                keep = weights >= mid
+                mass += tl.sum(tl.where(keep, weights, 0.0), axis=0)
+                min_kept = tl.minimum(min_kept, tl.min(tl.where(keep, weights, _INF), axis=0))
+                max_dropped = tl.maximum(
+                    max_dropped, tl.max(tl.where(mask & (weights < mid), weights, -1.0), axis=0))
+            if mass >= target:
+                tau = min_kept
+                kept = mass
+            else:
+                hi = max_dropped + 1.0
+    return row_max, tau, 1.0 / kept
+
+
+@triton.jit
+def _prob_at(row_ptr, x, V, row_max, inv_t, tau, inv_kept):
+    """Processed probability (float64) of token x; 0 if x is outside [0, V)."""
+    in_vocab = (x >= 0) & (x < V)
+    logit = tl.load(row_ptr + x, mask=in_vocab, other=-_INF).to(tl.float32)
+    weight = _weights(logit, row_max, inv_t)
+    return tl.where(weight >= tau, weight, 0.0) * inv_kept
+
+
+@triton.jit
+def _argmax_row(row_ptr, V, BLOCK: tl.constexpr):
+    """First index of the row's maximum (greedy)."""
+    best = tl.full([], -_INF, tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        logits, mask = _load_tile(row_ptr, start, V, BLOCK)
+        tile_best, tile_idx = tl.max(logits, axis=0, return_indices=True)
+        if tile_best > best:
+            best = tile_best
+            best_idx = start + tile_idx.to(tl.int64)
+    return best_idx
+
+
+@triton.jit
+def _spec_sample_kernel(
+    target_logits_ptr,  # [B, k+1, V] fp32 / fp16 / bf16
+    draft_logits_ptr,  # [B, k, V] fp32 / fp16 / bf16
+    draft_tokens_ptr,  # [B, k] int64
+    uniforms_ptr,  # [B, k] float64
+    exp_noise_ptr,  # [B, V] float32
+    tokens_ptr,  # [B, k+1] int64, out
+    n_emitted_ptr,  # [B] int64, out
+    k,
+    V,
+    inv_t,  # fp32(1 / temperature)
+    top_p,  # fp32(top_p)
+    GREEDY: tl.constexpr,
+    TOP_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    target_ptr = target_logits_ptr + b * (k + 1) * V
+    draft_ptr = draft_logits_ptr + b * k * V
+    out_ptr = tokens_ptr + b * (k + 1)
+    n_accepted = tl.full([], 0, tl.int64)
+    rejected = tl.full([], 0, tl.int32)
+    if GREEDY:
+        while (n_accepted < k) & (rejected == 0):
+            x = tl.load(draft_tokens_ptr + b * k + n_accepted)
+            if x == _argmax_row(target_ptr + n_accepted * V, V, BLOCK):
+                tl.store(out_ptr + n_accepted, x)
+                n_accepted += 1
+            else:
+                rejected = 1
+        token = _argmax_row(target_ptr + n_accepted * V, V, BLOCK)
+    else:
+        # Distributions at the current position; after the loop, those of the first rejection.
+        p_max = tl.full([], 0.0, tl.float32)
+        p_tau = tl.full([], 1.0, tl.float64)
+        p_inv = tl.full([], 0.0, tl.float64)
+        q_max = tl.full([], 0.0, tl.float32)
+        q_tau = tl.full([], 1.0, tl.float64)
+        q_inv = tl.full([], 0.0, tl.float64)
+        while (n_accepted < k) & (rejected == 0):
+            p_row = target_ptr + n_accepted * V
+            q_row = draft_ptr + n_accepted * V
+            p_max, p_tau, p_inv = _distribution(p_row, V, inv_t, top_p, TOP_P, BLOCK)
+            q_max, q_tau, q_inv = _distribution(q_row, V, inv_t, top_p, TOP_P, BLOCK)
+            x = tl.load(draft_tokens_ptr + b * k + n_accepted)
+            u = tl.load(uniforms_ptr + b * k + n_accepted)
+            p_x = _prob_at(p_row, x, V, p_max, inv_t, p_tau, p_inv)
+            q_x = _prob_at(q_row, x, V, q_max, inv_t, q_tau, q_inv)
+            if (q_x > 0.0) & (u * q_x < p_x):
+                tl.store(out_ptr + n_accepted, x)
+                n_accepted += 1
+            else:
+                rejected = 1
+        if rejected == 0:  # bonus position: p_k, and q = 0 below
+            p_max, p_tau, p_inv = _distribution(target_ptr + k * V, V, inv_t, top_p, TOP_P, BLOCK)
+        p_row = target_ptr + n_accepted * V
+        q_row = draft_ptr + n_accepted * V
+        noise_ptr = exp_noise_ptr + b * V
+        best = tl.full([], -1.0, tl.float64)  # every real score is >= 0
+        token = tl.full([], 0, tl.int64)
+        residual_max = tl.full([], 0.0, tl.float64)
+        for start in range(0, V, BLOCK):
+            logits, mask = _load_tile(p_row, start, V, BLOCK)
+            weights = _weights(logits, p_max, inv_t)
+            p = tl.where(weights >= p_tau, weights, 0.0) * p_inv
+            offs = start + tl.arange(0, BLOCK)
+            q_logits = tl.load(q_row + offs, mask=offs < V * rejected, other=-_INF)  # q = 0 if bonus
+            weights = _weights(q_logits.to(tl.float32), q_max, inv_t)
+            residual = tl.maximum(p - tl.where(weights >= q_tau, weights, 0.0) * q_inv, 0.0)
+            residual_max = tl.maximum(residual_max, tl.max(residual, axis=0))
+            noise = tl.load(noise_ptr + offs, mask=mask, other=1.0).to(tl.float64)
+            tile_best, tile_idx = tl.max(tl.where(mask, residual / noise, -1.0), axis=0,
+                                         return_indices=True)
+            if tile_best > best:
+                best = tile_best
+                token = start + tile_idx.to(tl.int64)
+        if residual_max == 0.0:  # p == q numerically: race on p instead
+            best = tl.full([], -1.0, tl.float64)
+            for start in range(0, V, BLOCK):
+                logits, mask = _load_tile(p_row, start, V, BLOCK)
+                weights = _weights(logits, p_max, inv_t)
+                p = tl.where(weights >= p_tau, weights, 0.0) * p_inv
+                offs = start + tl.arange(0, BLOCK)
+                noise = tl.load(noise_ptr + offs, mask=mask, other=1.0).to(tl.float64)
+                tile_best, tile_idx = tl.max(tl.where(mask, p / noise, -1.0), axis=0,
+                                             return_indices=True)
+                if tile_best > best:
+                    best = tile_best
+                    token = start + tile_idx.to(tl.int64)
+    tl.store(out_ptr + n_accepted, token)
+    for i in range(0, k + 1):
+        if i > n_accepted:
+            tl.store(out_ptr + i, -1)
+    tl.store(n_emitted_ptr + b, n_accepted + 1)
+
+
+def _block_size(V: int, device: torch.device) -> int:
+    # A GPU pays per register, the interpreter (CPU tensors) per executed op: larger tiles there.
+    return min(2048 if device.type == "cuda" else 8192, triton.next_power_of_2(V))
+
+
+def speculative_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Tensor,
+                              draft_tokens: torch.Tensor, temperature: float, top_p: float,
+                              uniforms: torch.Tensor, exp_noise: torch.Tensor, *,
+                              block_size: int | None = None):
+    """Launcher with the signature and contract of `sampling.speculative_sample_noise`.
+
+    Inputs must be contiguous: logits fp32 / fp16 / bf16, draft_tokens int64, uniforms float64,
+    exp_noise float32. `block_size` (a power of two) only changes the tiling, never the result.
+    Returns tokens [B, k+1] int64 and n_emitted [B] int64.
+    """
+    assert target_logits.ndim == 3 and draft_logits.ndim == 3, "logits must be [B, k+1, V], [B, k, V]"
+    B, k1, V = target_logits.shape
+    k = k1 - 1
+    assert k >= 1 and draft_logits.shape == (B, k, V), (target_logits.shape, draft_logits.shape)
+    assert draft_tokens.shape == (B, k) and uniforms.shape == (B, k), (draft_tokens.shape, uniforms.shape)
+    assert exp_noise.shape == (B, V), exp_noise.shape
+    for t in (target_logits, draft_logits):
+        assert t.dtype in (torch.float32, torch.float16, torch.bfloat16), t.dtype
+    assert draft_tokens.dtype == torch.int64 and uniforms.dtype == torch.float64
+    assert exp_noise.dtype == torch.float32
+    tensors = (target_logits, draft_logits, draft_tokens, uniforms, exp_noise)
+    assert all(t.is_contiguous() for t in tensors), "inputs must be contiguous"
+    assert all(t.device == target_logits.device for t in tensors), "inputs must share a device"
+    assert V <= sampling.MAX_VOCAB, V
+    assert temperature >= 0 and 0 < top_p <= 1, (temperature, top_p)
+    greedy = temperature == 0
+    tokens = torch.empty((B, k1), dtype=torch.int64, device=target_logits.device)
+    n_emitted = torch.empty((B,), dtype=torch.int64, device=target_logits.device)
+    block = block_size or _block_size(V, target_logits.device)
+    _spec_sample_kernel[(B,)](
+        target_logits, draft_logits, draft_tokens, uniforms, exp_noise, tokens, n_emitted,
+        k, V, 1.0 if greedy else sampling.inv_temperature(temperature), sampling.f32(top_p),
+        GREEDY=greedy, TOP_P=top_p < 1.0, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4, enable_fp_fusion=False,
+    )
+    return tokens, n_emitted

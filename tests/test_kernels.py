@@ -1,0 +1,307 @@
+"""Kernels == reference, bit for bit on tokens and n_emitted, with shared noise over odd shapes:
+the Triton kernel (interpreted on CPU tensors; compiled on CUDA), the C++ CPU op, and the backend
+dispatcher."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports Triton: without a GPU its kernels run in the interpreter. (With a GPU
+    # the CUDA tests need compiled kernels; the CPU cases load an interpreted copy below.)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import contextlib
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from specwhisper import backend
+from specwhisper import sampling as S
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "spec_sample.py"
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_inputs(B, k, V, dtype=torch.float32, temperature=1.0, top_p=1.0, seed=0, spread=3.0,
+                mismatch=0.5, device="cpu"):
+    """Target/draft logits (rounded to `dtype`), drafts sampled from the processed draft
+    distribution, uniforms and exponential noise: the arguments of speculative_sample_noise."""
+    g = torch.Generator().manual_seed(seed)
+    target = (torch.randn(B, k + 1, V, generator=g) * spread).to(dtype)
+    draft = (target[:, :k].float() + torch.randn(B, k, V, generator=g) * mismatch).to(dtype)
+    drafts = S.sample(draft, temperature if temperature > 0 else 1.0, top_p, g)
+    u = S.draw_uniforms((B, k), "cpu", g)
+    noise = S.draw_exp_noise((B, V), "cpu", g)
+    tensors = [t.to(device) for t in (target, draft, drafts, u, noise)]
+    return (*tensors[:3], temperature, top_p, *tensors[3:])
+
+
+def assert_same(got, expected):
+    tokens, n = got
+    ref_tokens, ref_n = expected
+    assert tokens.dtype == torch.int64 and n.dtype == torch.int64
+    assert torch.equal(n.cpu(), ref_n.cpu()), (n, ref_n)
+    assert torch.equal(tokens.cpu(), ref_tokens.cpu()), (tokens, ref_tokens)
+
+
+@contextlib.contextmanager
+def _interpreted_stdlib():
+    """Triton's own @jit helpers (tl.max, tl.sum, ...) as interpreted functions. They were built
+    when Triton was first imported: if that happened before TRITON_INTERPRET was set (torch._dynamo
+    imports Triton, e.g. via transformers in another test module), they are compiled-mode objects
+    the interpreter cannot call. Patched only for the duration of a call, so CUDA tests in the same
+    session still compile the real ones."""
+    import triton.language as tl
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
+             if isinstance(obj, JITFunction)]
+    for ns, name, obj in saved:
+        setattr(ns, name, InterpretedFunction(obj.fn))
+    try:
+        yield
+    finally:
+        for ns, name, obj in saved:
+            setattr(ns, name, obj)
+
+
+class _Interpreted:
+    """kernels/spec_sample.py loaded afresh with TRITON_INTERPRET=1: runs on CPU tensors."""
+
+    def __init__(self):
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit decorators run
+        try:
+            spec = importlib.util.spec_from_file_location("spec_sample_interpreted", KERNEL_SOURCE)
+            self.module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(self.module)
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+
+    def speculative_sample_triton(self, *args, **kwargs):
+        with _interpreted_stdlib():
+            return self.module.speculative_sample_triton(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton", reason="triton is not importable")
+    return _Interpreted()
+
+
+# --- Triton kernel, interpreted ------------------------------------------------------------------
+# (B, k, V, dtype, temperature, top_p): every shape value, dtype and mode appears; the interpreter
+# pays per executed op, so large vocabularies run at B = 1, k = 1.
+TRITON_CASES = [
+    (3, 4, 7, "fp32", 1.0, 1.0),
+    (17, 1, 7, "fp16", 0.7, 0.9),
+    (1, 8, 111, "bf16", 1.3, 1.0),
+    (3, 8, 111, "fp32", 0.9, 0.5),
+    (17, 4, 111, "fp32", 1.0, 1.0),
+    (3, 1, 111, "fp16", 1.0, 1e-6),
+    (1, 1, 8193, "fp16", 1.0, 1.0),
+    (1, 1, 51865, "fp32", 1.0, 1.0),
+    (1, 1, 51866, "bf16", 0.8, 0.95),
+    (17, 8, 111, "fp32", 0.0, 1.0),
+    (3, 4, 51866, "fp16", 0.0, 1.0),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("B,k,V,dtype,temperature,top_p", TRITON_CASES)
+def test_triton_matches_reference(interpreted, B, k, V, dtype, temperature, top_p):
+    args = make_inputs(B, k, V, DTYPES[dtype], temperature, top_p, seed=B * 1000 + k * 100 + V)
+    assert_same(interpreted.speculative_sample_triton(*args), S.speculative_sample_noise(*args))
+
+
+def edge_cases():
+    """(name, args) of the corner cases every backend must agree on."""
+    B, k, V = 5, 3, 37
+    cases = []
+    target, draft, drafts, T, top_p, u, noise = make_inputs(B, k, V, seed=1)
+    cases.append(("k=1", make_inputs(4, 1, 19, seed=2)))
+    cases.append(("all_accepted", (target, target[:, :k].clone(), S.sample(target[:, :k], 1.0, 1.0),
+                                   1.0, 1.0, u, noise)))
+    p = S.processed_probs(target, 1.0, 0.4)
+    outside = torch.where(p[:, 0] > 0, -math.inf, target[:, 0]).argmax(-1)
+    first_bad = drafts.clone()
+    first_bad[:, 0] = outside  # p(x) = 0: rejected at the first position
+    cases.append(("first_rejected", (target, draft, first_bad, 1.0, 0.4, u, noise)))
+    ties = torch.randint(-2, 3, (B, k + 1, V), generator=torch.Generator().manual_seed(3)).float()
+    cases.append(("ties", (ties, ties[:, :k] + (ties[:, :k] > 0), drafts, 1.0, 0.5, u, noise)))
+    cases.append(("ties_top_p_1", (ties, ties[:, :k].flip(-1).contiguous(), drafts, 0.5, 1.0, u,
+                                   noise)))
+    cases.append(("tiny_top_p", (target, draft, drafts, 1.0, 1e-9, u, noise)))
+    suppressed = target.clone()
+    suppressed[..., ::3] = -math.inf
+    cases.append(("suppressed", (suppressed, draft, drafts, 1.2, 0.9, u, noise)))
+    same = target.clone()
+    same[..., 0] = -math.inf  # q == p and q(0) = 0: rejected with an all-zero residual
+    cases.append(("zero_residual", (same, same[:, :k].clone(), torch.zeros_like(drafts), 1.0, 1.0,
+                                    u, noise)))
+    greedy_drafts = target[:, :k].argmax(-1)
+    greedy_drafts[1:, 1] = (greedy_drafts[1:, 1] + 1) % V
+    cases.append(("greedy", (target, draft, greedy_drafts, 0.0, 1.0, u, noise)))
+    cases.append(("hot", (target, draft, drafts, 25.0, 1.0, u, noise)))
+    cases.append(("cold", (target, draft, drafts, 0.05, 0.9, u, noise)))
+    return cases
+
+
+EDGE_CASES = edge_cases()
+
+
+@needs_triton
+@pytest.mark.parametrize("name,args", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_triton_edge_cases(interpreted, name, args):
+    expected = S.speculative_sample_noise(*args)
+    assert_same(interpreted.speculative_sample_triton(*args), expected)
+    if name == "all_accepted":
+        assert (expected[1] == args[2].shape[1] + 1).all()
+    if name in ("first_rejected", "zero_residual"):
+        assert (expected[1] == 1).all()
+
+
+@needs_triton
+def test_triton_result_does_not_depend_on_tiling(interpreted):
+    args = make_inputs(2, 3, 100, temperature=0.9, top_p=0.8, seed=4)
+    expected = S.speculative_sample_noise(*args)
+    for block in (16, 64):
+        assert_same(interpreted.speculative_sample_triton(*args, block_size=block), expected)
+
+
+@needs_triton
+def test_triton_launcher_asserts(interpreted):
+    target, draft, drafts, T, top_p, u, noise = make_inputs(2, 2, 10)
+    with pytest.raises(AssertionError):
+        interpreted.speculative_sample_triton(target.transpose(0, 1).contiguous().transpose(0, 1),
+                                              draft, drafts, T, top_p, u, noise)
+    with pytest.raises(AssertionError):
+        interpreted.speculative_sample_triton(target, draft, drafts, T, top_p, u.float(), noise)
+    with pytest.raises(AssertionError):
+        interpreted.speculative_sample_triton(target.double(), draft, drafts, T, top_p, u, noise)
+
+
+# --- C++ op --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cpp_op():
+    op = backend.cpp_op()
+    if op is None:
+        pytest.skip("the C++ extension is disabled (SPECWHISPER_NO_EXT) or failed to build")
+    return op
+
+
+def cpp_grid():
+    """Every V x k x B x dtype, with the (temperature, top_p) mode rotating; top-p at the largest
+    shapes only where the (slow, 36-step) reference bisection stays affordable."""
+    modes = [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.0, 1.0)]
+    cases, i = [], 0
+    for V in (7, 111, 8193, 51865, 51866):
+        for k in (1, 4, 8):
+            for B in (1, 3, 17):
+                for dtype in DTYPES:
+                    temperature, top_p = modes[i % len(modes)]
+                    i += 1
+                    if V > 1000 and B * (2 * k + 1) > 30 and top_p < 1:
+                        temperature, top_p = 1.0, 1.0
+                    cases.append((B, k, V, dtype, temperature, top_p))
+    return cases
+
+
+@pytest.mark.parametrize("B,k,V,dtype,temperature,top_p", cpp_grid())
+def test_cpp_matches_reference(cpp_op, B, k, V, dtype, temperature, top_p):
+    args = make_inputs(B, k, V, DTYPES[dtype], temperature, top_p, seed=B * 1000 + k * 100 + V)
+    assert_same(cpp_op(*args), S.speculative_sample_noise(*args))
+
+
+@pytest.mark.parametrize("name,args", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_cpp_edge_cases(cpp_op, name, args):
+    assert_same(cpp_op(*args), S.speculative_sample_noise(*args))
+
+
+def test_cpp_mixed_dtypes_and_strides(cpp_op):
+    target, draft, drafts, T, top_p, u, noise = make_inputs(4, 3, 500, temperature=0.8, top_p=0.9)
+    wide = torch.zeros(4, 4, 1000)
+    wide[..., ::2] = target  # non-contiguous view
+    args = (wide[..., ::2], draft.half(), drafts, T, top_p, u, noise)
+    assert_same(cpp_op(*args), S.speculative_sample_noise(*args))
+
+
+def test_cpp_opcheck(cpp_op):
+    for temperature, top_p in [(1.0, 1.0), (0.8, 0.9), (0.0, 1.0)]:
+        torch.library.opcheck(cpp_op, make_inputs(2, 3, 50, temperature=temperature, top_p=top_p))
+
+
+def test_cpp_rejects_bad_arguments(cpp_op):
+    target, draft, drafts, T, top_p, u, noise = make_inputs(2, 2, 10)
+    with pytest.raises(RuntimeError, match="draft_logits"):
+        cpp_op(target, draft[:, :1], drafts, T, top_p, u, noise)
+    with pytest.raises(RuntimeError, match="uniforms"):
+        cpp_op(target, draft, drafts, T, top_p, u.float(), noise)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpp_op(target, draft, drafts + 10, T, top_p, u, noise)
+
+
+# --- dispatcher ----------------------------------------------------------------------------------
+
+def test_dispatcher_on_cpu():
+    assert backend.which_backend("cpu") in ("cpp", "reference")
+    args = make_inputs(3, 4, 1000, temperature=0.9, top_p=0.95, seed=5)
+    assert_same(backend.speculative_sample_noise(*args), S.speculative_sample_noise(*args))
+    target, draft, drafts, T, top_p, *_ = args
+    g1, g2 = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    assert_same(S.speculative_sample(target, draft, drafts, T, top_p, g1),
+                S.speculative_sample(target, draft, drafts, T, top_p, g2))
+
+
+def test_no_ext_env_disables_the_cpp_op(monkeypatch):
+    monkeypatch.setenv("SPECWHISPER_NO_EXT", "1")
+    backend.cpp_op.cache_clear()
+    try:
+        assert backend.cpp_op() is None
+        assert backend.which_backend("cpu") == "reference"
+    finally:
+        monkeypatch.delenv("SPECWHISPER_NO_EXT")
+        backend.cpp_op.cache_clear()
+
+
+# --- Triton kernel, compiled on CUDA -------------------------------------------------------------
+
+CUDA_CASES = [(B, k, V, dtype, T, top_p)
+              for V in (7, 111, 8193, 51865, 51866) for k in (1, 4, 8) for B in (1, 3, 17)
+              for dtype, (T, top_p) in zip(DTYPES, [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("B,k,V,dtype,temperature,top_p", CUDA_CASES)
+def test_triton_on_cuda_matches_reference(B, k, V, dtype, temperature, top_p):
+    assert backend.which_backend("cuda") == "triton"
+    args = make_inputs(B, k, V, DTYPES[dtype], temperature, top_p, seed=V + k + B, device="cuda")
+    got = backend.speculative_sample_noise(*args)
+    cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    assert_same(got, S.speculative_sample_noise(*cpu_args))  # the spec, on the CPU
+    assert_same(got, S.speculative_sample_noise(*args))  # and the reference run on the GPU
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("name,args", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_triton_on_cuda_edge_cases(name, args):
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    assert_same(backend.speculative_sample_noise(*cuda_args), S.speculative_sample_noise(*args))

@@ -1,0 +1,384 @@
+"""The sampling reference (specwhisper/sampling.py): top-p semantics, exact cases, invariants, and a
+statistical proof that speculative sampling emits tokens distributed exactly as the target's."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from specwhisper import sampling as S
+
+
+def _step_inputs(B, k, V, temperature=1.0, top_p=1.0, seed=0, spread=3.0, mismatch=0.7):
+    """Random target/draft logits, drafts sampled from the processed draft distribution, noise."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(B, k + 1, V, generator=g) * spread
+    draft = target[:, :k] + torch.randn(B, k, V, generator=g) * mismatch
+    t = temperature if temperature > 0 else 1.0
+    drafts = S.sample(draft, t, top_p, g)
+    u = S.draw_uniforms((B, k), "cpu", g)
+    noise = S.draw_exp_noise((B, V), "cpu", g)
+    return target, draft, drafts, temperature, top_p, u, noise
+
+
+# --- top-p semantics -----------------------------------------------------------------------------
+
+def _exact_top_p_mask(logits, temperature, top_p):
+    """The definition, by sorting the exact integer weights: keep w >= tau, tau the largest value
+    whose kept mass is >= top_p * total (float64 compare, as the spec)."""
+    w = S._weights(logits, temperature)
+    keep = torch.zeros_like(w, dtype=torch.bool)
+    for row in range(w.shape[0]):
+        values = torch.unique(w[row]).flip(0)  # descending distinct weights
+        target = w[row].sum() * S.f32(top_p)
+        for tau in values:
+            if tau > 0 and w[row][w[row] >= tau].sum() >= target:
+                keep[row] = w[row] >= tau
+                break
+    return keep
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_matches_transformers_on_tie_free_rows(temperature, top_p):
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 300, generator=g) * 2.5  # continuous: no ties
+    warped = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits))
+    expected = torch.softmax(warped, -1)
+    probs = S.processed_probs(logits, temperature, top_p)
+    assert torch.equal(probs > 0, expected > 0)
+    torch.testing.assert_close(probs, expected, rtol=2e-6, atol=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_top_p_equals_the_definition(data):
+    V = data.draw(st.integers(1, 24))
+    levels = st.sampled_from([-math.inf, -3.0, -1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 4.0])
+    values = data.draw(st.lists(st.one_of(levels, st.floats(-8, 8, width=32)), min_size=V, max_size=V))
+    if all(v == -math.inf for v in values):
+        values[0] = 0.0
+    logits = torch.tensor([values], dtype=torch.float32)
+    temperature = data.draw(st.sampled_from([0.3, 1.0, 2.5]))
+    top_p = data.draw(st.sampled_from([1e-9, 0.05, 0.3, 0.5, 0.8, 0.95, 1.0]))
+    probs = S.processed_probs(logits, temperature, top_p)
+    assert torch.equal(probs > 0, _exact_top_p_mask(logits, temperature, top_p))
+    assert abs(probs.double().sum().item() - 1.0) < 1e-6
+
+
+def test_top_p_keeps_all_ties_at_the_threshold():
+    logits = torch.tensor([[2.0, 2.0, 2.0, 0.0, -1.0, -5.0]])
+    probs = S.processed_probs(logits, 1.0, 0.01)  # one of the tied tokens alone would suffice
+    assert (probs[0, :3] > 0).all() and (probs[0, 3:] == 0).all()
+    torch.testing.assert_close(probs[0, :3], torch.full((3,), 1 / 3))
+
+
+def test_top_p_one_keeps_every_nonzero_token_and_is_softmax():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 1000, generator=g) * 4  # spans ~ 40 nats at temperature 0.8
+    logits[:, ::7] = -math.inf  # suppressed
+    probs = S.processed_probs(logits, 0.8, 1.0)
+    expected = torch.softmax(logits.double() / 0.8, -1)
+    relative = expected / expected.amax(-1, keepdim=True)
+    # Nonzero means a weight >= 1, i.e. at least 2^-37 of the likeliest token (documented).
+    assert (probs[relative > 2.0 ** -36] > 0).all()
+    assert (probs[relative < 2.0 ** -38] == 0).all()
+    assert (probs[:, ::7] == 0).all()
+    torch.testing.assert_close(probs.double(), expected, rtol=2e-6, atol=2.0 ** -36)
+    assert (probs.double() - expected).abs().sum(-1).max() < 1e-7  # total variation
+
+
+def test_tiny_top_p_keeps_only_the_argmax():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 500, generator=g)
+    probs = S.processed_probs(logits, 1.0, 1e-9)
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 500).float())
+
+
+def test_suppressed_tokens_are_never_sampled():
+    logits = torch.zeros(20_000, 12)
+    logits[:, [0, 5, 11]] = -math.inf
+    tokens = S.sample(logits, 1.3, 1.0, torch.Generator().manual_seed(3))
+    assert not torch.isin(tokens, torch.tensor([0, 5, 11])).any()
+    assert set(tokens.tolist()) == set(range(12)) - {0, 5, 11}
+
+
+def test_temperature_zero_is_greedy():
+    logits = torch.randn(5, 40)
+    assert torch.equal(S.sample(logits, 0.0, 0.5), logits.argmax(-1))
+    assert torch.equal(S.processed_probs(logits, 0.0, 1.0),
+                       torch.nn.functional.one_hot(logits.argmax(-1), 40).float())
+
+
+def test_exp_is_accurate():
+    s = torch.linspace(-60, 0, 200_001)
+    rel = (S._exp_f32(s).double() / torch.exp(s.double()) - 1).abs()
+    assert rel.max() < 2.5 * 2.0 ** -24
+    assert S._exp_f32(torch.tensor([0.0])).item() == 1.0
+
+
+# --- greedy acceptance ---------------------------------------------------------------------------
+
+def test_greedy_accept():
+    V = 10
+    target_tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 1, 2]])  # [B, k+1]
+    logits = torch.nn.functional.one_hot(target_tokens, V).float()
+    drafts = torch.tensor([[1, 2, 3], [5, 0, 7], [4, 0, 1]])
+    tokens, n = S.greedy_accept(logits, drafts)
+    assert n.tolist() == [4, 2, 1]
+    assert tokens.tolist() == [[1, 2, 3, 4], [5, 6, -1, -1], [9, -1, -1, -1]]
+    assert torch.equal(S.speculative_sample_noise(logits, logits[:, :3], drafts, 0.0, 1.0,
+                                                  torch.ones(3, 3, dtype=torch.float64),
+                                                  torch.ones(3, V))[0], tokens)
+
+
+# --- exact cases of speculative sampling ---------------------------------------------------------
+
+def test_one_hot_target_always_emits_its_token():
+    B, k, V = 500, 4, 30
+    target, draft, drafts, *_, u, noise = _step_inputs(B, k, V, seed=4)
+    target = torch.full_like(target, -math.inf)
+    target[..., 13] = 0.0
+    tokens, n = S.speculative_sample_noise(target, draft, drafts, 1.0, 1.0, u, noise)
+    emitted = torch.arange(k + 1) < n[:, None]
+    assert (tokens[emitted] == 13).all() and (tokens[~emitted] == -1).all()
+
+
+def test_draft_equal_to_target_is_always_accepted():
+    B, k, V = 300, 5, 50
+    target, _, _, *_, u, noise = _step_inputs(B, k, V, seed=5)
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.8)]:
+        drafts = S.sample(target[:, :k], temperature, top_p, torch.Generator().manual_seed(6))
+        tokens, n = S.speculative_sample_noise(target, target[:, :k].clone(), drafts, temperature,
+                                               top_p, u, noise)
+        assert (n == k + 1).all()
+        assert torch.equal(tokens[:, :k], drafts)
+
+
+def test_draft_outside_target_top_p_is_always_rejected():
+    B, k, V = 400, 3, 40
+    target, draft, drafts, *_, u, noise = _step_inputs(B, k, V, seed=8)
+    top_p = 0.3
+    p = S.processed_probs(target, 1.0, top_p)
+    # the first draft: the target's likeliest token outside its top-p set, the draft's favourite
+    x = torch.where(p[:, 0] > 0, -math.inf, target[:, 0]).argmax(-1)
+    draft[torch.arange(B), 0, x] = draft[:, 0].amax(-1) + 1.0
+    drafts[:, 0] = x
+    tokens, n = S.speculative_sample_noise(target, draft, drafts, 1.0, top_p, u, noise)
+    assert (n == 1).all()
+    assert (p[torch.arange(B), 0, tokens[:, 0]] > 0).all()
+    assert (tokens[:, 1:] == -1).all()
+
+
+def test_draft_the_draft_could_not_propose_is_rejected():
+    B, k, V = 200, 2, 16
+    target, draft, drafts, *_, u, noise = _step_inputs(B, k, V, seed=10)
+    draft[torch.arange(B), 0, drafts[:, 0]] = -math.inf  # q(x) = 0 while p(x) > 0
+    tokens, n = S.speculative_sample_noise(target, draft, drafts, 1.0, 1.0, u, noise)
+    assert (n == 1).all()
+
+
+def test_all_zero_residual_falls_back_to_p():
+    B, k, V = 100, 2, 12
+    target, _, _, *_, u, noise = _step_inputs(B, k, V, seed=11)
+    target[:, :, 0] = -math.inf  # p(0) = q(0) = 0, and q == p: the residual is all zero
+    drafts = torch.zeros(B, k, dtype=torch.int64)
+    tokens, n = S.speculative_sample_noise(target, target[:, :k].clone(), drafts, 1.0, 1.0, u, noise)
+    assert (n == 1).all()
+    p = S._probs64(target[:, 0], 1.0, 1.0)
+    assert torch.equal(tokens[:, 0], (p / noise.double()).argmax(-1))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 0.9), (1.4, 0.5)])
+def test_invariants(temperature, top_p):
+    B, k, V = 2000, 4, 25
+    target, draft, drafts, *_, u, noise = _step_inputs(B, k, V, temperature, top_p, seed=12)
+    tokens, n = S.speculative_sample_noise(target, draft, drafts, temperature, top_p, u, noise)
+    assert ((n >= 1) & (n <= k + 1)).all()
+    steps = torch.arange(k + 1)
+    assert (tokens[steps >= n[:, None]] == -1).all()
+    accepted = steps < (n - 1)[:, None]
+    assert torch.equal(tokens[:, :k][accepted[:, :k]], drafts[accepted[:, :k]])
+    p = S.processed_probs(target, temperature, top_p)
+    emitted = steps < n[:, None]
+    support = p.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1) > 0
+    assert support[emitted].all()  # nothing outside the target's top-p support
+    assert 0 < (n - 1).float().mean() < k  # some accepted, some rejected
+
+
+def test_speculative_sample_is_the_core_with_drawn_noise():
+    B, k, V = 64, 3, 33
+    target, draft, drafts, temperature, top_p, *_ = _step_inputs(B, k, V, 0.9, 0.8, seed=13)
+    got = S.speculative_sample(target, draft, drafts, 0.9, 0.8, torch.Generator().manual_seed(14))
+    g = torch.Generator().manual_seed(14)
+    u = S.draw_uniforms((B, k), "cpu", g)
+    noise = S.draw_exp_noise((B, V), "cpu", g)
+    expected = S.speculative_sample_noise(target, draft, drafts, 0.9, 0.8, u, noise)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_validation_errors():
+    target, draft, drafts, _, _, u, noise = _step_inputs(2, 3, 10)
+    call = S.speculative_sample_noise
+    with pytest.raises(ValueError, match="draft_logits"):
+        call(target, draft[:, :2], drafts, 1.0, 1.0, u, noise)
+    with pytest.raises(ValueError, match="exp_noise"):
+        call(target, draft, drafts, 1.0, 1.0, u, noise[:, :5])
+    with pytest.raises(TypeError, match="uniforms"):
+        call(target, draft, drafts, 1.0, 1.0, u.float(), noise)
+    with pytest.raises(TypeError, match="draft_tokens"):
+        call(target, draft, drafts.int(), 1.0, 1.0, u, noise)
+    with pytest.raises(ValueError, match="temperature"):
+        call(target, draft, drafts, -0.1, 1.0, u, noise)
+    for bad_top_p in (0.0, 1.5, -1.0):
+        with pytest.raises(ValueError, match="top_p"):
+            call(target, draft, drafts, 1.0, bad_top_p, u, noise)
+    for bad in (math.nan, math.inf, 0.0):
+        u_bad = u.clone()
+        u_bad[1, 2] = bad
+        with pytest.raises(ValueError, match="uniforms"):
+            call(target, draft, drafts, 1.0, 1.0, u_bad, noise)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        call(target, draft, drafts + 10, 1.0, 1.0, u, noise)
+    with pytest.raises(ValueError, match="top_p"):
+        S.processed_probs(target, 1.0, 0.0)
+
+
+# --- statistical proof ---------------------------------------------------------------------------
+# N = 200,000 speculative steps per case, V = 16, k = 2, fixed seeds. The first emitted token must
+# follow the processed target distribution p0, and the second, given that the first (a draft) was
+# accepted as a, must follow p1(. | a). Each good-sampler check passes when the chi-square
+# goodness-of-fit p-value is > 1e-4: a correct sampler fails one check with probability 1e-4 over
+# the choice of seed, so the 8 checks below raise a false alarm with probability < 1e-3 (and, the
+# seeds being fixed, the outcome is reproducible). Two broken samplers must score p < 1e-6.
+# (`slow`: 3-12 s per case here, up to 40 s on a loaded 2-core machine.)
+
+N_TRIALS, V_STAT, K_STAT = 200_000, 16, 2
+
+
+def _chi2(observed: np.ndarray, probs: np.ndarray):
+    """(statistic, degrees of freedom) of one multinomial sample; bins with expected count < 5
+    are pooled. An outcome of probability 0 makes the statistic infinite."""
+    n = observed.sum()
+    if n == 0:
+        return 0.0, 0
+    if observed[probs == 0].sum() > 0:
+        return math.inf, 1
+    expected = probs * n
+    small = (expected < 5) & (probs > 0)
+    obs = list(observed[~small & (probs > 0)]) + ([observed[small].sum()] if small.any() else [])
+    exp = list(expected[~small & (probs > 0)]) + ([expected[small].sum()] if small.any() else [])
+    if len(exp) < 2:
+        return 0.0, 0
+    obs, exp = np.array(obs, dtype=np.float64), np.array(exp)
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+
+
+def _stat_tables(seed):
+    """Target logits for position 0 and for positions 1, 2 as functions of the previous token;
+    a deliberately mismatched draft of the same shape."""
+    g = torch.Generator().manual_seed(seed)
+    V = V_STAT
+    target = [torch.randn(V, generator=g), torch.randn(V, V, generator=g),
+              torch.randn(V, V, generator=g)]
+    draft = [t + torch.randn(t.shape, generator=g) * 1.0 for t in target[:2]]
+    return target, draft
+
+
+def _stat_step(seed, temperature, top_p, sampler):
+    """Run N_TRIALS speculative steps (one per batch row) -> tokens, n, p0, p1 table."""
+    (t0, t1, t2), (d0, d1) = _stat_tables(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    B = N_TRIALS
+    x1 = S.sample(d0.expand(B, -1), temperature, top_p, g)  # drafts from the processed q
+    x2 = S.sample(d1[x1], temperature, top_p, g)
+    target_logits = torch.stack([t0.expand(B, -1), t1[x1], t2[x2]], 1)  # [B, 3, V]
+    draft_logits = torch.stack([d0.expand(B, -1), d1[x1]], 1)  # [B, 2, V]
+    drafts = torch.stack([x1, x2], 1)
+    u = S.draw_uniforms((B, K_STAT), "cpu", g)
+    noise = S.draw_exp_noise((B, V_STAT), "cpu", g)
+    tokens, n = sampler(target_logits, draft_logits, drafts, temperature, top_p, u, noise)
+    p0 = S.processed_probs(t0, temperature, top_p).double().numpy()
+    p1 = S.processed_probs(t1, temperature, top_p).double().numpy()  # row a: p1(. | a)
+    return tokens.numpy(), n.numpy(), p0, p1
+
+
+def _sf(stat: float, dof: int) -> float:
+    """Chi-square p-value; with no degree of freedom the only test is 'nothing impossible'."""
+    return stats.chi2.sf(stat, dof) if dof > 0 else float(stat == 0)
+
+
+def _p_values(tokens, n, p0, p1):
+    """p-values of the first token vs p0 and of the second given an accepted first vs p1, the
+    fraction of rows with two tokens, and the pooled degrees of freedom of both tests."""
+    first_stat, first_dof = _chi2(np.bincount(tokens[:, 0], minlength=V_STAT), p0)
+    stat, dof = 0.0, 0
+    two = n >= 2
+    for a in range(V_STAT):
+        rows = two & (tokens[:, 0] == a)
+        s, d = _chi2(np.bincount(tokens[rows, 1], minlength=V_STAT), p1[a])
+        stat, dof = stat + s, dof + d
+    return _sf(first_stat, first_dof), _sf(stat, dof), two.mean(), (first_dof, dof)
+
+
+def _accept_everything(target_logits, draft_logits, drafts, temperature, top_p, u, noise):
+    """Broken: accepts every draft (emits draft samples, i.e. q)."""
+    p = S._probs64(target_logits[:, -1], temperature, top_p)
+    bonus = (p / noise.double()).argmax(-1)
+    tokens = torch.cat([drafts, bonus[:, None]], 1)
+    return tokens, torch.full((drafts.shape[0],), drafts.shape[1] + 1)
+
+
+def _resample_from_p(target_logits, draft_logits, drafts, temperature, top_p, u, noise):
+    """Broken: at a rejection, resamples from p instead of max(0, p - q)."""
+    tokens, n = S.speculative_sample_noise(target_logits, draft_logits, drafts, temperature, top_p,
+                                           u, noise)
+    k = drafts.shape[1]
+    B = drafts.shape[0]
+    p = S._probs64(target_logits, temperature, top_p)
+    from_p = (p[torch.arange(B), n - 1] / noise.double()).argmax(-1)
+    rejected = n <= k
+    tokens[rejected, n[rejected] - 1] = from_p[rejected]
+    return tokens, n
+
+
+STAT_CASES = [(1.0, 1.0), (0.7, 0.9), (1.5, 0.8), (1.0, 0.5)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_p", STAT_CASES)
+def test_emitted_tokens_follow_the_target_distribution(temperature, top_p):
+    tokens, n, p0, p1 = _stat_step(100, temperature, top_p, S.speculative_sample_noise)
+    p_first, p_second, accepted, dofs = _p_values(tokens, n, p0, p1)
+    print(f"T={temperature} top_p={top_p}: p(first)={p_first:.3g} p(second|first)={p_second:.3g} "
+          f"dof={dofs} first accepted {accepted:.3f}")
+    assert 0.1 < accepted < 0.9  # the draft is mismatched but useful
+    assert min(dofs) >= 3  # the distributions tested are not trivial
+    assert p_first > 1e-4 and p_second > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [_accept_everything, _resample_from_p])
+def test_statistical_test_rejects_broken_samplers(broken):
+    tokens, n, p0, p1 = _stat_step(100, 1.0, 1.0, broken)
+    p_first, p_second, _, dofs = _p_values(tokens, n, p0, p1)
+    print(f"{broken.__name__}: p(first)={p_first:.3g} p(second|first)={p_second:.3g} dof={dofs}")
+    assert p_first < 1e-6
+
+
+def test_sample_follows_processed_probs():
+    logits = torch.randn(V_STAT, generator=torch.Generator().manual_seed(15))
+    for temperature, top_p in [(1.0, 1.0), (0.8, 0.9)]:
+        tokens = S.sample(logits.expand(N_TRIALS, -1), temperature, top_p,
+                          torch.Generator().manual_seed(16))
+        probs = S.processed_probs(logits, temperature, top_p).double().numpy()
+        stat, dof = _chi2(np.bincount(tokens.numpy(), minlength=V_STAT), probs)
+        print(f"sample T={temperature} top_p={top_p}: p={_sf(stat, dof):.3g} dof={dof}")
+        assert dof >= 3 and _sf(stat, dof) > 1e-4
