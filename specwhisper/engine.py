@@ -241,10 +241,12 @@ class Engine:
                 new = tokens[b][: min(n_emitted[b], remaining[b])]
                 if tok.eot in new:
                     new = new[: new.index(tok.eot) + 1]
-                accepted.append(len(new) - 1)
+                # draft tokens among the emitted ones (an EOT or the length limit may cut the
+                # run before its correction/bonus token)
+                accepted.append(min(n_emitted[b] - 1, len(new)))
                 if k > 0:
                     stats[b].drafted += spec.valid[b]
-                    stats[b].accepted += len(new) - 1
+                    stats[b].accepted += accepted[-1]
                 n[b] += len(new)
                 out[b].extend(new)
                 done[b] = new[-1] == tok.eot or len(out[b]) >= max_new
