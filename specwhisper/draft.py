@@ -43,7 +43,7 @@ class Drafter:
         cache = engine._cache("draft", self.draft.config, B)
         draft_features = features if self.shared_encoder else self.draft.model.encoder(mel.to(engine.dtype))
         self.draft.model.decoder.fill_cross(cache, draft_features, slice(0, B))
-        seqs = [dp + self.vocab.to_draft(o[-1]) for dp, o in zip(dprompts, out)]
+        seqs = [dp + [d for t in o for d in self.vocab.to_draft(t)] for dp, o in zip(dprompts, out)]
         return DraftRun(self, cache, seqs, engine.device)
 
 
@@ -118,13 +118,14 @@ class DraftRun:
     def commit(self, accepted: list[int], out: list[list[int]], done) -> None:
         """After a verify pass: keep the accepted draft tokens' cache entries, append the
         correction/bonus token (mapped to draft ids), drop the rest by shortening the length."""
-        raw = self.raw.tolist()
+        raw = self.raw.tolist() if self.raw is not None else None
         for b, a in enumerate(accepted):
             if done[b]:
                 continue
             n = len(self.seqs[b])
-            self.seqs[b] += raw[b][:a] + self.drafter.vocab.to_draft(out[b][-1])
+            self.seqs[b] += (raw[b][:a] if a else []) + self.drafter.vocab.to_draft(out[b][-1])
             self.cached[b] = min(self.cached[b], n + a)
+        self.raw = None  # an iteration without drafting (k == 0) accepts nothing
 
 
 class DraftLength:
@@ -154,10 +155,11 @@ class DraftLength:
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
         if self.fixed is not None:
             return
-        if k == 0:
-            self.plain_steps += 1
-            if self.plain_steps % 16 == 0:
-                self.k = 1
+        if k == 0:  # a plain step: count it towards the next probe if speculation is off
+            if self.k == 0:
+                self.plain_steps += 1
+                if self.plain_steps % 16 == 0:
+                    self.k = 1
             return
         decay = 0.9
         rows = [a for a, d in zip(accepted, done) if a >= 0]

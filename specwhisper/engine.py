@@ -203,16 +203,18 @@ class Engine:
         out = [[t] for t in first]
         done = [t == tok.eot or max_new == 1 for t in first]
         n = [P] * B  # position of each row's pending token (= tokens in the target cache)
-        spec = None
-        if self.drafter is not None and not all(done):
-            spec = self.drafter.start(self, mel, features, prompts, out, opts, generator)
+        spec, can_draft = None, self.drafter is not None
         k_rule = DraftLength(opts.num_draft_tokens)
-        if spec is not None and opts.num_draft_tokens is None:
+        if can_draft and opts.num_draft_tokens is None:
             k_rule = self.drafter.length  # running estimates carry over between calls
 
         while not all(done):
             remaining = [max_new - len(o) for o in out]
             k = 0
+            if can_draft and k_rule.k > 0 and spec is None:
+                # the draft starts (encoder, cross K/V, catch-up) only once drafting is wanted
+                spec = self.drafter.start(self, mel, features, prompts, out, opts, generator)
+                can_draft = spec is not None
             if spec is not None and k_rule.k > 0:
                 k = min(k_rule.k, max(remaining[b] - 1 for b in range(B) if not done[b]), spec.room(done))
             t0 = time.perf_counter()
@@ -250,9 +252,9 @@ class Engine:
                 n[b] += len(new)
                 out[b].extend(new)
                 done[b] = new[-1] == tok.eot or len(out[b]) >= max_new
-            if k > 0:
-                spec.commit(accepted, out, done)
-                k_rule.update(k, accepted, done, draft_seconds=t1 - t0, verify_seconds=t2 - t1)
+            if spec is not None:
+                spec.commit(accepted, out, done)  # with k == 0 too: the draft keeps following
+            k_rule.update(k, accepted, done, draft_seconds=t1 - t0, verify_seconds=t2 - t1)
         seconds = time.perf_counter() - start
         results = []
         for b in range(B):

@@ -33,9 +33,31 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
 
+    def fuse(self, names: tuple[str, ...]) -> None:
+        """Pack the weights of projections `names` (e.g. q, k, v) into one matrix: one matrix
+        product instead of several. Their parameters become views of it, so the state dict
+        keeps the HF keys."""
+        projs = [getattr(self, f"{n}_proj") for n in names]
+        d = projs[0].out_features
+        weight = torch.cat([p.weight for p in projs])
+        self.fused_bias = torch.cat([p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
+                                     for p in projs])
+        for i, proj in enumerate(projs):
+            proj.weight = nn.Parameter(weight[i * d:(i + 1) * d], requires_grad=False)
+        self.fused_weight, self.fused_names = weight, names
+
+    def project(self, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        """Projections `names` of x as [B, H, T, Dh] each (q unscaled)."""
+        if getattr(self, "fused_names", None) == names:
+            return tuple(self.heads(t) for t in F.linear(x, self.fused_weight, self.fused_bias).chunk(len(names), dim=-1))
+        return tuple(self.heads(getattr(self, f"{n}_proj")(x)) for n in names)
+
     def attend(self, x, k, v, mask=None) -> torch.Tensor:
+        return self.attend_q(self.heads(self.q_proj(x)), k, v, mask)
+
+    def attend_q(self, q, k, v, mask=None) -> torch.Tensor:
         # Scale q before the product, as Whisper does (the order matters for bit-level parity).
-        q = self.heads(self.q_proj(x) * self.head_dim**-0.5)
+        q = q * self.head_dim**-0.5
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         b, _, t, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -120,12 +142,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, input_pos, mask, self_k, self_v, cross_k, cross_v):
         """x [B, T, d]; input_pos [B, T]; mask [B, 1, T, S]; caches [B, H, S, Dh] (this layer)."""
-        h = self.self_attn_layer_norm(x)
-        k, v = self.self_attn.project_kv(h)  # [B, H, T, Dh]
+        q, k, v = self.self_attn.project(self.self_attn_layer_norm(x), ("q", "k", "v"))  # [B, H, T, Dh]
         index = input_pos[:, None, :, None].expand_as(k)
         self_k.scatter_(2, index, k)
         self_v.scatter_(2, index, v)
-        x = x + self.self_attn.attend(h, self_k, self_v, mask)
+        x = x + self.self_attn.attend_q(q, self_k, self_v, mask)
         x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), cross_k, cross_v)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
@@ -179,3 +200,9 @@ class Whisper(nn.Module):
         self.config = cfg
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
+
+    def fuse(self) -> None:
+        """After loading: fuse the decoder's self-attention q/k/v projections (see
+        `Attention.fuse`)."""
+        for layer in self.decoder.layers:
+            layer.self_attn.fuse(("q", "k", "v"))

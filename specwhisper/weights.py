@@ -74,4 +74,6 @@ def load_whisper(folder: str | Path, device="cpu", dtype=torch.float32) -> Whisp
     if bad:
         raise ValueError(f"{folder}: tensor shapes do not match config.json: {bad[:10]}")
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.fuse()
+    return model
