@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .head import SubsetHead
 from .vocab import VocabMap
 
 MAX_K = 8
@@ -12,7 +13,7 @@ MAX_K = 8
 class Drafter:
     """A loaded draft model paired with the target it serves."""
 
-    def __init__(self, draft, target, shared_encoder: bool | None = None):
+    def __init__(self, draft, target, shared_encoder: bool | None = None, head_tokens: int | None = None):
         self.draft, self.target = draft, target
         dcfg, tcfg = draft.config, target.config
         same_encoder = shares_encoder(draft.model, target.model)
@@ -29,7 +30,18 @@ class Drafter:
                              f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
                              "mel front end")
         self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
+        if head_tokens is not None:
+            draft.head = SubsetHead(draft.model.decoder.embed_tokens.weight, self.head_ids(head_tokens))
         self.length = DraftLength(None)  # running estimates for num_draft_tokens=None, kept across calls
+
+    def head_ids(self, n: int) -> torch.Tensor:
+        """The draft's `n` lowest text ids the target can spell (BPE ids follow merge order,
+        roughly frequency), plus EOT: what a pruned draft head may propose (greedy only)."""
+        eot = self.draft.tokenizer.eot
+        ids = torch.arange(eot)
+        if not self.vocab.identity:
+            ids = ids[self.vocab.draft_to_target[:eot] >= 0]
+        return torch.cat([ids[:n], torch.tensor([eot])]).to(self.draft.suppress.device)
 
     def start(self, engine, mel, features, prompts, out, opts, generator) -> "DraftRun | None":
         tok = self.draft.tokenizer

@@ -56,7 +56,11 @@ class Engine:
     Thread-safe: calls on one engine serialize on its lock; all state lives in the instance.
     """
 
-    def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None):
+    def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
+                 draft_head_tokens: int | None = None):
+        """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
+        runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
+        most frequent target-spellable tokens (a cheaper draft head; output stays exact)."""
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
@@ -67,7 +71,8 @@ class Engine:
         self.target = LoadedModel.load(target, self.device, dtype)
         self.drafter = None
         if draft is not None:
-            self.drafter = Drafter(LoadedModel.load(draft, self.device, dtype), self.target, shared_encoder)
+            self.drafter = Drafter(LoadedModel.load(draft, self.device, dtype), self.target, shared_encoder,
+                                   draft_head_tokens)
         self._caches: dict[tuple[str, int], DecoderCache] = {}
         self._lock = threading.Lock()
 
@@ -246,12 +251,12 @@ class Engine:
                 # draft tokens among the emitted ones (an EOT or the length limit may cut the
                 # run before its correction/bonus token)
                 accepted.append(min(n_emitted[b] - 1, len(new)))
-                if k > 0:
-                    stats[b].drafted += spec.valid[b]
-                    stats[b].accepted += accepted[-1]
                 n[b] += len(new)
                 out[b].extend(new)
                 done[b] = new[-1] == tok.eot or len(out[b]) >= max_new
+                if k > 0:  # proposals past the row's end were never needed: not counted
+                    stats[b].drafted += min(spec.valid[b], len(new)) if done[b] else spec.valid[b]
+                    stats[b].accepted += accepted[-1]
             if spec is not None:
                 spec.commit(accepted, out, done)  # with k == 0 too: the draft keeps following
             k_rule.update(k, accepted, done, draft_seconds=t1 - t0, verify_seconds=t2 - t1)

@@ -43,3 +43,20 @@ class ScreenedHead:
             exact = hidden[row : row + 1] @ self.weight[ids].T  # [1, C]
             out[row] = ids[exact.argmax()]
         return out
+
+
+class SubsetHead:
+    """Greedy argmax over a subset of the vocabulary: a draft's pruned output head.
+
+    A draft only proposes; the target verifies every proposal with its full head, so a draft
+    that can only say the `keep` tokens stays exact and just proposes less often right."""
+
+    def __init__(self, weight: torch.Tensor, keep: torch.Tensor):
+        self.keep = keep  # [N] vocabulary ids kept, ascending
+        self.weight = weight[keep].contiguous()  # [N, d]
+
+    def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+        logits = hidden @ self.weight.T  # [rows, N]
+        if banned is not None:
+            logits.masked_fill_(banned[self.keep], -float("inf"))
+        return self.keep[logits.argmax(dim=-1)]

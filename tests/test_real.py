@@ -74,9 +74,10 @@ def test_real_transcripts_are_close_to_the_references(mels, greedy):
     assert score < 0.25, (score, texts)
 
 
-@pytest.mark.parametrize("draft, k", [("tiny.en", 3), ("tiny.en", None), ("base", 4)])
-def test_speculative_with_real_drafts_is_exact(draft, k, mels, greedy):
-    engine = Engine(real_folder("base"), real_folder(draft))
+@pytest.mark.parametrize("draft, k, head", [("tiny.en", 3, None), ("tiny.en", None, None), ("tiny.en", 3, 16384),
+                                            ("base", 4, None)])
+def test_speculative_with_real_drafts_is_exact(draft, k, head, mels, greedy):
+    engine = Engine(real_folder("base"), real_folder(draft), draft_head_tokens=head)
     out = engine.transcribe(mels, language="en", num_draft_tokens=k)
     assert [o.tokens for o in out] == greedy("base")
     rate = sum(o.stats.accepted for o in out) / max(sum(o.stats.drafted for o in out), 1)

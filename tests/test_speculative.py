@@ -177,3 +177,19 @@ def test_draft_length_rule():
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
     assert fixed.k == 5
+
+
+def test_pruned_draft_head_is_exact(target, drafts, mels, reference):
+    """A draft whose head only knows its 20000 lowest ids (plus EOT) proposes only those; the
+    output is still the target's."""
+    engine = Engine(target, drafts["noisy"], draft_head_tokens=20000)
+    keep = engine.drafter.draft.head.keep
+    assert len(keep) == 20001 and keep[-1] == engine.drafter.draft.tokenizer.eot
+    out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    assert [o.tokens for o in out] == reference[:2]
+    seen = []
+    orig = engine.drafter.draft.head.argmax
+    engine.drafter.draft.head.argmax = lambda h, banned=None: seen.append(orig(h, banned)) or seen[-1]
+    engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    proposed = torch.cat(seen)
+    assert len(proposed) > 0 and bool(torch.isin(proposed, keep).all())
