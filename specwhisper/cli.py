@@ -29,7 +29,7 @@ def cmd_transcribe(args) -> int:
     for path in tqdm(args.audio, disable=len(args.audio) < 2 or args.json, unit="file"):
         mel = log_mel_spectrogram(load_audio(path), n_mels=engine.n_mels, device=engine.device)
         out = engine.transcribe(mel, language=args.language, temperature=args.temperature, top_p=args.top_p,
-                                num_draft_tokens=args.k, seed=args.seed)
+                                num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed)
         results.append({"file": str(path), "text": out.text, "language": out.language,
                         "tokens": out.tokens, "stats": out.stats.__dict__})
         if not args.json:
@@ -56,7 +56,7 @@ def cmd_demo(args) -> int:
     mels = [log_mel_spectrogram(load_audio(p), n_mels=plain.n_mels) for p in paths]
     plain.transcribe(mels[0], language="en")  # warm-up
     spec.transcribe(mels[0], language="en", num_draft_tokens=args.k)
-    rows, hyps, same = [], [], 0
+    hyps, same = [], 0
     t_plain = t_spec = 0.0
     for path, mel in zip(paths, mels):
         t0 = time.perf_counter()
@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     t.add_argument("--top-p", type=float, default=1.0)
     t.add_argument("--k", type=int, default=None, help="draft tokens per verify pass (default: adaptive)")
     t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--max-new-tokens", type=int, default=None)
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     t.add_argument("--json", action="store_true", help="print JSON with tokens and stats")

@@ -98,7 +98,6 @@ class DraftRun:
     def propose(self, k: int, done, pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row -> (target ids [B, k] with -1 after the first unusable one,
         suppressed draft logits [B, k, V_draft] when sampling, else None)."""
-        B = len(self.seqs)
         lens = [len(s) for s in self.seqs]
         # Catch-up: feed each row's uncached tokens; shorter rows repeat their first uncached
         # (token, position) on the left, which rewrites the same cache slot with the same values.
