@@ -142,19 +142,30 @@ class DraftRun:
 class DraftLength:
     """How many tokens to draft next.
 
-    Fixed when the user gives `num_draft_tokens`. Otherwise adaptive: the acceptance rate α is
-    estimated as accepted / (accepted + rejections) over recent iterations (exponentially weighted),
-    the cost ratio c = (draft step time) / (verify pass time) is measured, and k in 1..8 maximizes
-    the modelled speedup E[tokens per pass] / (k·c + 1) with E = (1 − α^(k+1)) / (1 − α). When even
-    the best k is modelled slower than target-only decoding, speculation is switched off, and one
-    k = 1 probe every 16 plain steps keeps the estimates fresh.
+    Fixed when the user gives `num_draft_tokens`. Otherwise adaptive, in two parts:
+    - *which k*: the acceptance rate α is estimated as accepted / (accepted + rejections) over
+      recent iterations (exponentially weighted), the cost ratio c = (draft step time) / (verify
+      pass time) is measured, and k in 1..8 maximizes E[tokens per pass] / (k·c + 1) with
+      E = (1 − α^(k+1)) / (1 − α);
+    - *whether to draft at all*: the measured throughput (emitted tokens per second) of
+      speculative iterations, charged with the draft's per-utterance setup (its encoder and
+      cross K/V), is compared with that of plain target steps. One plain step every 16
+      speculative iterations keeps the plain rate fresh; while speculation is off, one probe
+      every 16 plain steps keeps the speculative rate fresh. Until both rates are measured the
+      model above decides (speculate when its best gain exceeds 1).
+    The estimates live in the engine's drafter, so they carry over between calls.
     """
+
+    REFRESH = 16  # iterations between plain-step refreshes / speculative probes
+    DECAY = 0.9  # weight of the past in every running estimate
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
         self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
         self.cost_ratio = 0.3  # prior draft-step / verify-pass time
-        self.plain_steps = 0
+        self.spec = None  # running (tokens, seconds) of speculative iterations
+        self.plain = None  # running (tokens, seconds) of plain target steps
+        self.spec_iters = self.plain_steps = 0
         self.k = fixed if fixed is not None else 4
 
     def best(self) -> tuple[int, float]:
@@ -163,22 +174,38 @@ class DraftLength:
         gain, k = max(gains)
         return k, gain
 
+    def _track(self, current, tokens: float, seconds: float):
+        t, s = current if current is not None else (0.0, 0.0)
+        return self.DECAY * t + tokens, self.DECAY * s + seconds
+
+    def charge(self, seconds: float) -> None:
+        """Add the draft's per-utterance setup time to the speculative side."""
+        if self.fixed is None and self.spec is not None:
+            self.spec = (self.spec[0], self.spec[1] + seconds)
+
+    def pays(self) -> bool:
+        if self.spec is None or self.plain is None:
+            return self.best()[1] > 1.0
+        return self.spec[0] / self.spec[1] > self.plain[0] / self.plain[1]
+
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
         if self.fixed is not None:
             return
-        if k == 0:  # a plain step: count it towards the next probe if speculation is off
-            if self.k == 0:
-                self.plain_steps += 1
-                if self.plain_steps % 16 == 0:
-                    self.k = 1
+        rows = [a for a in accepted if a >= 0]
+        tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
+        if k == 0:
+            self.plain = self._track(self.plain, tokens, seconds)
+            self.plain_steps += 1
+            probe = self.plain_steps % self.REFRESH == 0
+            self.k = self.best()[0] if self.pays() else (1 if probe else 0)
             return
-        decay = 0.9
-        rows = [a for a, d in zip(accepted, done) if a >= 0]
+        self.spec = self._track(self.spec, tokens, seconds)
+        self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)
         fail = sum(1 for a in rows if a < k) / max(len(rows), 1)
-        self.accepted = decay * self.accepted + succ
-        self.trials = decay * self.trials + succ + fail
+        self.accepted = self.DECAY * self.accepted + succ
+        self.trials = self.DECAY * self.trials + succ + fail
         if verify_seconds > 0:
-            self.cost_ratio = decay * self.cost_ratio + (1 - decay) * (draft_seconds / k) / verify_seconds
-        best_k, gain = self.best()
-        self.k = best_k if gain > 1.0 else 0
+            self.cost_ratio = self.DECAY * self.cost_ratio + (1 - self.DECAY) * (draft_seconds / k) / verify_seconds
+        refresh = self.spec_iters % self.REFRESH == 0
+        self.k = self.best()[0] if self.pays() and not refresh else 0

@@ -217,7 +217,9 @@ class Engine:
             k = 0
             if can_draft and k_rule.k > 0 and spec is None:
                 # the draft starts (encoder, cross K/V, catch-up) only once drafting is wanted
+                setup = time.perf_counter()
                 spec = self.drafter.start(self, mel, features, prompts, out, opts, generator)
+                k_rule.charge(time.perf_counter() - setup)
                 can_draft = spec is not None
             if spec is not None and k_rule.k > 0:
                 k = min(k_rule.k, max(remaining[b] - 1 for b in range(B) if not done[b]), spec.room(done))

@@ -152,28 +152,39 @@ def test_adaptive_k_is_exact_and_backs_off(kind, target, drafts, mels, reference
 
 
 def test_draft_length_rule():
-    """The adaptive rule: long runs for a cheap, accurate draft; off for a useless one, with
-    sparse k = 1 probes; fixed k stays fixed."""
+    """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
+    emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
     from specwhisper.draft import DraftLength
 
+    def step(rule, accepted_all: bool, draft_cost: float):
+        k = rule.k  # k == 0: a plain step emitting one token
+        rule.update(k, [k if accepted_all else 0], [False], draft_seconds=draft_cost * k, verify_seconds=1.0)
+        return k
+
     rule = DraftLength(None)
-    for _ in range(30):  # everything accepted, draft step 5% of a verify pass
-        rule.update(rule.k, [rule.k], [False], draft_seconds=0.05 * rule.k, verify_seconds=1.0)
-    assert rule.k == 8
-    for _ in range(100):  # nothing accepted any more: the estimate decays until drafting stops paying
-        rule.update(max(rule.k, 1), [0], [False], draft_seconds=0.05 * max(rule.k, 1), verify_seconds=1.0)
-        if rule.k == 0:
+    ks = [step(rule, True, 0.05) for _ in range(30)]  # everything accepted, draft step 5% of a pass
+    assert ks[-1] == 8 and ks.count(0) == 1  # one plain step to measure the comparison
+    for _ in range(200):  # nothing accepted any more: speculation loses to plain steps
+        step(rule, False, 0.05)
+        if rule.k == 0 and rule.spec[0] / rule.spec[1] < rule.plain[0] / rule.plain[1]:
             break
     assert rule.k == 0
-    ks = []
-    for _ in range(48):
-        ks.append(rule.k)
-        rule.update(rule.k, [0], [False], 0.05 * rule.k, 1.0)
-    assert ks.count(1) == 2 and set(ks) == {0, 1}  # one k = 1 probe per 16 plain steps
+    ks = [step(rule, False, 0.05) for _ in range(48)]
+    assert 2 <= ks.count(1) <= 3 and set(ks) == {0, 1}  # one k = 1 probe per 16 plain steps
+
     rule = DraftLength(None)
-    for _ in range(100):  # accurate but as slow as the target (a self-draft): not worth it
-        rule.update(max(rule.k, 1), [max(rule.k, 1)], [False], draft_seconds=1.0 * max(rule.k, 1), verify_seconds=1.0)
-    assert rule.k == 0
+    for _ in range(100):  # accurate but slower per token than the target: not worth it
+        step(rule, True, 1.2)
+    assert rule.k in (0, 1) and sum(step(rule, True, 1.2) > 1 for _ in range(32)) == 0
+
+    rule = DraftLength(None)
+    drafting = []
+    for _ in range(30):  # calls of 4 iterations; a call that drafts pays a 40-pass draft setup
+        if rule.k > 0:
+            rule.charge(40.0)
+        drafting.append(sum(step(rule, True, 0.05) > 0 for _ in range(4)))
+    assert sum(drafting[-10:]) <= 3, drafting  # accurate and cheap per token, but not worth its setup
+
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
     assert fixed.k == 5
