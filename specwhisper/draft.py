@@ -150,9 +150,10 @@ class DraftLength:
     - *whether to draft at all*: the measured throughput (emitted tokens per second) of
       speculative iterations, charged with the draft's per-utterance setup (its encoder and
       cross K/V), is compared with that of plain target steps. One plain step every 16
-      speculative iterations keeps the plain rate fresh; while speculation is off, one probe
-      every 16 plain steps keeps the speculative rate fresh. Until both rates are measured the
-      model above decides (speculate when its best gain exceeds 1).
+      speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
+      probe keeps the speculative rate fresh, after 16 plain steps and then, while probes keep
+      losing, after twice as many each time (a probe may pay the draft's whole setup). Until
+      both rates are measured the model above decides (speculate when its best gain exceeds 1).
     The estimates live in the engine's drafter, so they carry over between calls.
     """
 
@@ -165,7 +166,8 @@ class DraftLength:
         self.cost_ratio = 0.3  # prior draft-step / verify-pass time
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
-        self.spec_iters = self.plain_steps = 0
+        self.spec_iters = 0
+        self.probe_every = self.until_probe = self.REFRESH  # plain steps between probes (backs off)
         self.k = fixed if fixed is not None else 4
 
     def best(self) -> tuple[int, float]:
@@ -195,10 +197,13 @@ class DraftLength:
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
         if k == 0:
             self.plain = self._track(self.plain, tokens, seconds)
-            self.plain_steps += 1
-            probe = self.plain_steps % self.REFRESH == 0
-            self.k = self.best()[0] if self.pays() else (1 if probe else 0)
+            if self.pays():
+                self.k = self.best()[0]
+            else:
+                self.until_probe -= 1
+                self.k = 1 if self.until_probe <= 0 else 0
             return
+        probing = self.k == 1 and self.until_probe <= 0
         self.spec = self._track(self.spec, tokens, seconds)
         self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)
@@ -208,4 +213,11 @@ class DraftLength:
         if verify_seconds > 0:
             self.cost_ratio = self.DECAY * self.cost_ratio + (1 - self.DECAY) * (draft_seconds / k) / verify_seconds
         refresh = self.spec_iters % self.REFRESH == 0
-        self.k = self.best()[0] if self.pays() and not refresh else 0
+        if self.pays():
+            self.probe_every = self.until_probe = self.REFRESH
+            self.k = 0 if refresh else self.best()[0]
+        else:
+            if probing:  # a lost probe: wait twice as long before the next one
+                self.probe_every = min(2 * self.probe_every, 4096)
+            self.until_probe = self.probe_every
+            self.k = 0

@@ -169,8 +169,10 @@ def test_draft_length_rule():
         if rule.k == 0 and rule.spec[0] / rule.spec[1] < rule.plain[0] / rule.plain[1]:
             break
     assert rule.k == 0
-    ks = [step(rule, False, 0.05) for _ in range(48)]
-    assert 2 <= ks.count(1) <= 3 and set(ks) == {0, 1}  # one k = 1 probe per 16 plain steps
+    ks = [step(rule, False, 0.05) for _ in range(16 + 32 + 64 + 10)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert set(ks) == {0, 1} and len(probes) == 3  # k = 1 probes, backing off 16, 32, 64 plain steps
+    assert probes[1] - probes[0] == 33 and probes[2] - probes[1] == 65
 
     rule = DraftLength(None)
     for _ in range(100):  # accurate but slower per token than the target: not worth it
