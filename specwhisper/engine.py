@@ -139,8 +139,7 @@ class Engine:
         "a draft token the target cannot spell": the draft's mass there is always rejected
         (the target gives it probability 0), which keeps the output distribution exact."""
         if opts.temperature == 0.0:
-            n_accepted = (proposals == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-            return choice, n_accepted + 1
+            return sampling.greedy_accept_choices(choice, proposals)
         vocab = self.drafter.vocab
         if vocab.identity:
             return sampling.speculative_sample(target_logits, draft_logits, proposals,

@@ -164,10 +164,16 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor):
     B, k1, _ = target_logits.shape
     if draft_tokens.shape != (B, k1 - 1):
         raise ValueError(f"draft_tokens {tuple(draft_tokens.shape)} != {(B, k1 - 1)}")
-    target_tokens = greedy(target_logits)  # [B, k+1]
+    return greedy_accept_choices(greedy(target_logits), draft_tokens)
+
+
+def greedy_accept_choices(target_tokens: torch.Tensor, draft_tokens: torch.Tensor):
+    """`greedy_accept` given the target's own choices [B, k+1] instead of its logits (what an
+    engine has when its head returns only the argmax). Same result contract."""
+    k1 = target_tokens.shape[1]
     matches = draft_tokens == target_tokens[:, :-1]
     n_accepted = matches.long().cumprod(-1).sum(-1)  # [B]
-    steps = torch.arange(k1, device=target_logits.device)
+    steps = torch.arange(k1, device=target_tokens.device)
     tokens = torch.where(steps <= n_accepted[:, None], target_tokens, -1)
     return tokens, n_accepted + 1
 
