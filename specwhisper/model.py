@@ -30,9 +30,6 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
 
-    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
-
     def fuse(self, names: tuple[str, ...]) -> None:
         """Pack the weights of projections `names` (e.g. q, k, v) into one matrix: one matrix
         product instead of several. Their parameters become views of it, so the state dict
@@ -75,7 +72,7 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.self_attn_layer_norm(x)
-        x = x + self.self_attn.attend(h, *self.self_attn.project_kv(h))
+        x = x + self.self_attn.attend(h, *self.self_attn.project(h, ("k", "v")))
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
@@ -120,10 +117,6 @@ class DecoderCache:
         new = lambda s: torch.zeros(s, device=device, dtype=dtype)  # noqa: E731
         return cls(new(shape), new(shape), new(cross), new(cross))
 
-    @property
-    def batch(self) -> int:
-        return self.self_k.shape[1]
-
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return self.self_k, self.self_v, self.cross_k, self.cross_v
 
@@ -164,7 +157,7 @@ class Decoder(nn.Module):
     def fill_cross(self, cache: DecoderCache, audio_features: torch.Tensor, rows: slice = slice(None)):
         """Compute cross-attention K/V once per utterance into the cache rows `rows`."""
         for i, layer in enumerate(self.layers):
-            k, v = layer.encoder_attn.project_kv(audio_features)
+            k, v = layer.encoder_attn.project(audio_features, ("k", "v"))
             cache.cross_k[i, rows].copy_(k)
             cache.cross_v[i, rows].copy_(v)
 

@@ -49,12 +49,6 @@ class VocabMap:
             strings[i] = s
         return cls(False, d2t, {}, draft_tok.backend, strings, dv, shared)
 
-    def to_device(self, device) -> "VocabMap":
-        if self.identity or self.draft_to_target.device == torch.device(device):
-            return self
-        return VocabMap(False, self.draft_to_target.to(device), self.target_to_draft,
-                        self.draft_backend, self.target_strings, self.draft_vocab, self.shared_text)
-
     def to_draft(self, target_id: int) -> list[int]:
         """Draft ids that spell target token `target_id` (empty if it has no spelling)."""
         if self.identity:
