@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -26,27 +26,10 @@ from .decoding import LoadedModel
 from .model import DecoderCache
 from . import sampling
 from .draft import DraftLength, Drafter
+from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 
 N_FRAMES = 3000
-
-
-@dataclass
-class Stats:
-    drafted: int = 0  # draft tokens proposed to the target
-    accepted: int = 0  # draft tokens the target kept
-    target_passes: int = 0  # target decoder forward passes (prefill included)
-    draft_passes: int = 0  # draft decoder forward passes (prefill included)
-    acceptance_rate: float = 1.0  # accepted / drafted (1.0 when nothing was drafted)
-    tokens_per_pass: float = 0.0  # generated tokens incl. EOT / target passes
-    seconds: float = 0.0  # wall time of the call (shared by every row of a batch)
-
-
-@dataclass
-class Transcription:
-    text: str  # decoded text, special tokens removed
-    tokens: list[int]  # generated ids after the prompt, without EOT
-    language: str | None  # language code used in the prompt (None for English-only models)
-    stats: Stats = field(default_factory=Stats)
+FRAMES_PER_SECOND = 100  # mel frames per second of audio
 
 
 class Engine:
@@ -74,6 +57,7 @@ class Engine:
                                    draft_head_tokens)
         self._caches: dict[tuple[str, int], DecoderCache] = {}
         self._lock = threading.Lock()
+        self._executor = None
 
     @property
     def n_mels(self) -> int:
@@ -122,13 +106,44 @@ class Engine:
                    max_new_tokens: int | None = None, seed: int | None = None):
         """Decode `mel` [n_mels, frames] -> Transcription, or [batch, n_mels, frames] -> a list."""
         opts = DecodeOptions(language, task, temperature, top_p, num_draft_tokens, max_new_tokens, seed)
-        single = getattr(mel, "ndim", None) == 2
+        single, mel = self._as_mel(mel)
         batch = self._check_mel(mel)
         if language is not None:
             self.target.tokenizer.prompt(language, task)  # validates the code before any work
         with self._lock, torch.inference_mode():
             results = self._decode(batch, opts)
+        duration = min(mel.shape[-1], N_FRAMES) / FRAMES_PER_SECOND
+        for r in results:
+            r.duration = duration
+            r.segments = [Segment(0, 0, 0.0, duration, r.text, r.tokens)]
         return results[0] if single else results
+
+    def submit(self, x, **options) -> Future:
+        """`transcribe(x, **options)` in the engine's background worker -> a Future of its result."""
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="specwhisper")
+        return self._executor.submit(self.transcribe, x, **options)
+
+    def _as_mel(self, x) -> tuple[bool, torch.Tensor]:
+        """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames]).
+        Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a log-mel here."""
+        from .audio import HOP_LENGTH, load_audio, log_mel_spectrogram
+
+        if isinstance(x, (str, bytes, bytearray, memoryview)) or hasattr(x, "__fspath__"):
+            x = load_audio(x)
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        if isinstance(x, torch.Tensor) and x.ndim == 1:
+            if x.numel() == 0:
+                raise ValueError("audio is empty (0 samples)")
+            if x.numel() > N_FRAMES * HOP_LENGTH:
+                raise ValueError(f"audio is {x.numel() / 16000:.1f} s long; inputs longer than 30 s need "
+                                 "long-form decoding, which this engine does not do yet")
+            frames = -(-x.numel() // HOP_LENGTH)
+            return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels)[:, :frames]
+        return getattr(x, "ndim", None) == 2, x
 
     # ---------------------------------------------------------------- decoding
     def _accept(self, choice, target_logits, proposals, draft_logits, opts, generator):

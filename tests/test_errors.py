@@ -17,7 +17,7 @@ def engine(multilingual):
 
 
 @pytest.mark.parametrize("mel, exc, words", [
-    (torch.zeros(3000), ValueError, "shape"),
+    (torch.zeros(0), ValueError, "empty"),
     (torch.zeros(1, 1, 80, 3000), ValueError, "shape"),
     (torch.zeros(64, 3000), ValueError, "n_mels=80"),
     (torch.zeros(80, 3001), ValueError, "3001 frames"),
@@ -29,6 +29,21 @@ def engine(multilingual):
 def test_bad_mel(engine, mel, exc, words):
     with pytest.raises(exc, match=words):
         engine.transcribe(mel)
+
+
+def test_waveform_is_accepted(engine):
+    """A 1-D tensor is 16 kHz audio: the same tokens as its log-mel."""
+    from specwhisper import load_audio, log_mel_spectrogram
+    from specwhisper.samples import sample_paths
+
+    audio = load_audio(sample_paths()[0])
+    by_mel = engine.transcribe(log_mel_spectrogram(audio, n_mels=80)[:, :-(-len(audio) // 160)],
+                               language="en", max_new_tokens=6)
+    by_wave = engine.transcribe(audio, language="en", max_new_tokens=6)
+    by_path = engine.transcribe(str(sample_paths()[0]), language="en", max_new_tokens=6)
+    assert by_mel.tokens == by_wave.tokens == by_path.tokens
+    assert by_wave.duration == pytest.approx(len(audio) / 16000, abs=0.01)
+    assert by_wave.segments[0].text == by_wave.text
 
 
 def test_numpy_mel_is_accepted(engine):
