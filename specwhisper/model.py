@@ -99,7 +99,9 @@ class Encoder(nn.Module):
 class DecoderCache:
     """Preallocated decoder state for `batch` rows; every tensor is written in place.
 
-    self_k/self_v: [n_layers, batch, heads, max_positions, head_dim] self-attention keys/values.
+    self_k/self_v: [n_layers, batch, heads, max_positions + 1, head_dim] self-attention keys/values;
+    the last slot is a *scratch* slot: writes for positions past the end (proposals a row can never
+    use) land there instead of overwriting a real slot, and no query ever reads it.
     cross_k/cross_v: [n_layers, batch, heads, 1500, head_dim] cross-attention keys/values,
     computed once per utterance by `Decoder.fill_cross`.
     """
@@ -112,7 +114,7 @@ class DecoderCache:
     @classmethod
     def allocate(cls, cfg: WhisperConfig, batch: int, device, dtype) -> "DecoderCache":
         h = cfg.decoder_attention_heads
-        shape = (cfg.decoder_layers, batch, h, cfg.max_target_positions, cfg.d_model // h)
+        shape = (cfg.decoder_layers, batch, h, cfg.max_target_positions + 1, cfg.d_model // h)
         cross = (cfg.decoder_layers, batch, h, cfg.max_source_positions, cfg.d_model // h)
         new = lambda s: torch.zeros(s, device=device, dtype=dtype)  # noqa: E731
         return cls(new(shape), new(shape), new(cross), new(cross))
@@ -134,7 +136,7 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x, input_pos, mask, self_k, self_v, cross_k, cross_v):
-        """x [B, T, d]; input_pos [B, T]; mask [B, 1, T, S]; caches [B, H, S, Dh] (this layer)."""
+        """x [B, T, d]; input_pos [B, T] (cache slots written); mask [B, 1, T, S]; caches [B, H, S, Dh]."""
         q, k, v = self.self_attn.project(self.self_attn_layer_norm(x), ("q", "k", "v"))  # [B, H, T, Dh]
         index = input_pos[:, None, :, None].expand_as(k)
         self_k.scatter_(2, index, k)
@@ -170,12 +172,15 @@ class Decoder(nn.Module):
         every position + 1, known on the host) trims the attended window; None attends all slots.
         """
         b = tokens.shape[0]
-        s = cache.self_k.shape[3] if kv_len is None else kv_len
+        last = self.embed_positions.num_embeddings - 1  # the last real position (447)
+        s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
         slots = torch.arange(s, device=tokens.device)
-        mask = (slots <= input_pos[:, :, None])[:, None]  # [B, 1, T, S]
-        x = self.embed_tokens(tokens) + self.embed_positions(input_pos)
+        # a query reads real slots up to its position, never the scratch slot
+        mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
+        write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
+        x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_pos, mask, cache.self_k[i, :b, :, :s], cache.self_v[i, :b, :, :s],
+            x = layer(x, write_pos, mask, cache.self_k[i, :b, :, :s], cache.self_v[i, :b, :, :s],
                       cache.cross_k[i, :b], cache.cross_v[i, :b])
         return self.layer_norm(x)
 
