@@ -7,11 +7,13 @@ import torch
 from .head import SubsetHead
 from .vocab import VocabMap
 
-MAX_K = 8
+MAX_K = 8  # largest k adaptive drafting chooses
 
 
 class Drafter:
-    """A loaded draft model paired with the target it serves."""
+    """A loaded draft model paired with the target it serves: its vocabulary tables, its greedy
+    head, and how it builds its own prompt. It owns no cache (the runner does) and never changes
+    the model it was given."""
 
     def __init__(self, draft, target, shared_encoder: bool | None = None, head_tokens: int | None = None):
         self.draft, self.target = draft, target
@@ -22,17 +24,40 @@ class Drafter:
         elif shared_encoder and not same_encoder:
             raise ValueError(f"draft {draft.path} does not share the encoder of target {target.path} "
                              "(encoder configs or weights differ); pass shared_encoder=None or False")
-        self.shared_encoder = shared_encoder
-        if shared_encoder:
-            draft.model.encoder = None  # the target's encoder output serves both
-        elif dcfg.num_mel_bins != tcfg.num_mel_bins:
+        self.shared_encoder = shared_encoder  # the target's encoder output serves both
+        if not shared_encoder and dcfg.num_mel_bins != tcfg.num_mel_bins:
             raise ValueError(f"draft {draft.path} expects {dcfg.num_mel_bins} mel bins but target "
                              f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
                              "mel front end")
         self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
+        self.head = draft.head
         if head_tokens is not None:
-            draft.head = SubsetHead(draft.model.decoder.embed_tokens.weight, self.head_ids(head_tokens))
+            self.head = SubsetHead(draft.model.decoder.embed_tokens.weight, self.head_ids(head_tokens))
+        self.draft_to_target, self.target_to_draft, self.target_to_draft_len = self._tables()
+        v_target = tcfg.vocab_size
+        ids = torch.arange(dcfg.vocab_size)
+        # the noise a draft column is raced with: its target id's, so both models see the same
+        # noise for the same token; tokens the target cannot spell get noise of their own
+        self.noise_ids = torch.where(self.draft_to_target >= 0, self.draft_to_target, v_target + ids)
         self.length = DraftLength(None)  # running estimates for num_draft_tokens=None, kept across calls
+
+    def _tables(self):
+        """draft -> target ids [V_draft] (-1: none); target -> draft spelling [V_target, W] and its
+        length [V_target] (0: the draft cannot spell it)."""
+        v_draft, v_target = self.draft.config.vocab_size, self.target.config.vocab_size
+        if self.vocab.identity:
+            return torch.arange(v_draft), torch.arange(v_target)[:, None], torch.ones(v_target, dtype=torch.long)
+        d2t = torch.full((v_draft,), -1, dtype=torch.long)
+        n = min(v_draft, len(self.vocab.draft_to_target))
+        d2t[:n] = self.vocab.draft_to_target[:n]
+        spellings = [self.vocab.to_draft(t) for t in range(v_target)]
+        width = max(1, max(len(sp) for sp in spellings))
+        t2d = torch.zeros(v_target, width, dtype=torch.long)
+        lengths = torch.tensor([len(sp) for sp in spellings], dtype=torch.long)
+        for t, sp in enumerate(spellings):
+            if sp:
+                t2d[t, :len(sp)] = torch.tensor(sp)
+        return d2t, t2d, lengths
 
     def head_ids(self, n: int) -> torch.Tensor:
         """The draft's `n` lowest text ids the target can spell (BPE ids follow merge order,
@@ -43,20 +68,51 @@ class Drafter:
             ids = ids[self.vocab.draft_to_target[:eot] >= 0]
         return torch.cat([ids[:n], torch.tensor([eot])]).to(self.draft.suppress.device)
 
-    def start(self, engine, mel, features, prompts, out, opts, generator) -> "DraftRun | None":
+    def stands_aside(self, language: str | None, task: str) -> str | None:
+        """Why the draft cannot follow a request in `language` / `task` (None: it can). A draft's
+        limits never refuse a request: the target then decodes that request alone."""
         tok = self.draft.tokenizer
-        if not tok.multilingual and opts.language not in (None, "en"):
-            return None  # an English-only draft cannot follow another language
-        langs = [engine.target.tokenizer.language_code(p[1]) if len(p) == 4 else None for p in prompts]
-        if not tok.multilingual and any(lang not in (None, "en") for lang in langs):
-            return None
-        dprompts = [tok.prompt(lang if tok.multilingual else None, opts.task) for lang in langs]
-        B = mel.shape[0]
-        cache = engine._cache("draft", self.draft.config, B)
-        draft_features = features if self.shared_encoder else self.draft.model.encoder(mel.to(engine.dtype))
-        self.draft.model.decoder.fill_cross(cache, draft_features, slice(0, B))
-        seqs = [dp + [d for t in o for d in self.vocab.to_draft(t)] for dp, o in zip(dprompts, out)]
-        return DraftRun(self, cache, seqs, engine.device)
+        if not tok.multilingual:
+            if language not in (None, "en"):
+                return f"English-only draft cannot follow language {language!r}"
+            if task != "transcribe":
+                return "English-only draft cannot translate"
+        elif language is not None and language not in tok.languages:
+            return f"draft has no language token for {language!r}"
+        return None
+
+    def prompt(self, spec) -> list[int]:
+        """The draft's own prompt for a target sequence `spec`: previous text spelled in draft ids,
+        then the draft's start-of-transcript sequence for the same language and task."""
+        tok, target_tok = self.draft.tokenizer, self.target.tokenizer
+        sot_index = spec.sot_index
+        prev = []
+        if sot_index > 0:  # <|startofprev|> + previous text
+            sot_prev = tok.backend.token_to_id("<|startofprev|>")
+            prev = [sot_prev] + [d for t in spec.prompt[1:sot_index] for d in self.vocab.to_draft(t)]
+            if sot_prev is None:
+                prev = []
+        language = spec.language if tok.multilingual else None
+        if tok.multilingual and language is None:
+            language = "en"  # an English-only target: its speech is English
+        sot_seq = tok.prompt(language, spec.task)[:-1]  # without <|notimestamps|>
+        del target_tok
+        return prev + sot_seq + ([] if spec.timestamps else [tok.no_timestamps])
+
+    def greedy(self, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        """Draft greedy proposals [B, T] from hidden [B, T, d]."""
+        return greedy_tokens(self.draft, self.head, hidden, banned)
+
+
+def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Greedy argmax [B, T] of a model's logits with `banned` ([V] or [B, T, V]) tokens excluded,
+    through `head` when it has one (screened or pruned head), else full logits."""
+    B, T, d = hidden.shape
+    flat_banned = banned if banned.ndim == 1 else banned.reshape(B * T, -1)
+    if head is not None:
+        return head.argmax(hidden.reshape(B * T, d), flat_banned).view(B, T)
+    logits = model.model.decoder.logits(hidden).float().reshape(B * T, -1).masked_fill_(flat_banned, -float("inf"))
+    return logits.argmax(-1).view(B, T)
 
 
 def shares_encoder(a, b) -> bool:
@@ -65,78 +121,6 @@ def shares_encoder(a, b) -> bool:
         return False
     pa, pb = a.encoder.state_dict(), b.encoder.state_dict()
     return pa.keys() == pb.keys() and all(pa[k].shape == pb[k].shape and torch.equal(pa[k], pb[k]) for k in pa)
-
-
-class DraftRun:
-    """Per-call draft state: each row's draft-side token sequence and how much of it is cached.
-
-    Rows may differ in length (per-row acceptance) and, with a mapped vocabulary, the draft's
-    positions may differ from the target's; each model keeps its own positions.
-    """
-
-    def __init__(self, drafter: Drafter, cache, seqs: list[list[int]], device):
-        self.drafter, self.cache, self.device = drafter, cache, device
-        self.decoder = drafter.draft.model.decoder
-        self.max_pos = drafter.draft.config.max_target_positions
-        self.seqs = seqs  # draft token ids per row (prompt + emitted, mapped to draft ids)
-        self.cached = [0] * len(seqs)  # leading tokens of each row already in the draft cache
-        self.passes = 0
-        self.valid = [0] * len(seqs)  # usable proposals per row in the last propose()
-        self.raw = None  # last proposals in draft ids [B, k]
-
-    def room(self, done) -> int:
-        """Largest k the draft's positions allow for every active row."""
-        free = [self.max_pos - len(s) for s, d in zip(self.seqs, done) if not d]
-        return max(0, min(free) if free else 0)
-
-    def _step(self, tokens, pos, kv_len, pick):
-        hidden = self.decoder.hidden(tokens, pos.clamp(max=self.max_pos - 1), self.cache, kv_len=kv_len)
-        self.passes += 1
-        token, logits = pick(self.drafter.draft, hidden[:, -1:])
-        return token[:, 0], None if logits is None else logits[:, 0]
-
-    def propose(self, k: int, done, pick) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k draft tokens per row -> (target ids [B, k] with -1 after the first unusable one,
-        suppressed draft logits [B, k, V_draft] when sampling, else None)."""
-        lens = [len(s) for s in self.seqs]
-        # Catch-up: feed each row's uncached tokens; shorter rows repeat their first uncached
-        # (token, position) on the left, which rewrites the same cache slot with the same values.
-        # A row with nothing uncached (finished, or its last token had no draft spelling)
-        # re-feeds its last token, whose logits predict the next position.
-        starts = [min(c, n - 1) for n, c in zip(lens, self.cached)]
-        width = max(n - c for n, c in zip(lens, starts))
-        feed, pos = [], []
-        for s, n, c in zip(self.seqs, lens, starts):
-            pad = width - (n - c)
-            feed.append([s[c]] * pad + s[c:])
-            pos.append([c] * pad + list(range(c, n)))
-        feed = torch.tensor(feed, device=self.device)
-        pos = torch.tensor(pos, device=self.device)
-        kv_len = min(max(lens) + k, self.max_pos)
-        token, logits = self._step(feed, pos, kv_len, pick)
-        raw, steps = [token], [logits]
-        base = torch.tensor(lens, device=self.device)
-        for j in range(1, k):
-            token, logits = self._step(token[:, None], (base + j - 1)[:, None], kv_len, pick)
-            raw.append(token)
-            steps.append(logits)
-        self.raw = torch.stack(raw, dim=1)  # [B, k]
-        self.cached = [n + k - 1 for n in lens]  # provisional: fixed up in commit()
-        proposals, valid = self.drafter.vocab.proposals_to_target(self.raw)
-        self.valid = [0 if d else v for v, d in zip(valid.tolist(), done)]
-        return proposals, None if steps[0] is None else torch.stack(steps, dim=1)
-
-    def commit(self, accepted: list[int], out: list[list[int]], done) -> None:
-        """After a verify pass: keep the accepted draft tokens' cache entries, append the
-        correction/bonus token (mapped to draft ids), drop the rest by shortening the length."""
-        raw = self.raw.tolist() if self.raw is not None else None
-        for b, a in enumerate(accepted):
-            if done[b]:
-                continue
-            n = len(self.seqs[b])
-            self.seqs[b] += (raw[b][:a] if a else []) + self.drafter.vocab.to_draft(out[b][-1])
-            self.cached[b] = min(self.cached[b], n + a)
-        self.raw = None  # an iteration without drafting (k == 0) accepts nothing
 
 
 class DraftLength:

@@ -1,32 +1,27 @@
-"""The decoding engine: encode once, prefill, then draft -> verify -> accept until every row ends.
+"""The engine facade: `transcribe` (blocking) and `submit` (a Future), one decode loop for all.
 
-Glossary (one iteration of speculative decoding, per batch row):
-- *pending token*: the last emitted token; it is not yet in any cache and is fed first.
-- *drafted* tokens: the k tokens the draft proposes after the pending token (k draft steps).
-- *verify pass*: one target forward over [pending, drafted...] (k + 1 positions).
-- *accepted* tokens: the longest prefix of the drafted tokens equal to the target's own choice
-  at that position; the first drafted token that differs is *rejected*.
-- *correction* token: the target's own token at the first rejected position.
-- *bonus* token: the target's token after the last drafted one, when all k were accepted.
-Each iteration emits the accepted tokens plus one correction or bonus token, so a verify pass
-yields 1..k+1 tokens, and the output is exactly what the target alone would produce. Caches are
-rolled back to the accepted length by changing a length; stale slots are masked and overwritten.
+Every request goes to one background loop thread, which runs iterations of the running batch:
+`scheduler.schedule()` (admit waiting windows into free slots) -> `runner.draft(k)` ->
+`runner.verify_accept_commit(k)` -> one small host read -> `scheduler.postprocess(...)`
+(finished windows leave). Concurrent callers are decoded together, not one after another. The
+decode loop itself, and the glossary of speculative decoding, are in runner.py.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from .config import DecodeOptions, WhisperConfig
+from .config import DecodeOptions
 from .decoding import LoadedModel
-from .model import DecoderCache
-from . import sampling
 from .draft import DraftLength, Drafter
+from .jobs import ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
+from .runner import MAX_K, Runner
+from .scheduler import Request, RequestFuture, Scheduler
 
 N_FRAMES = 3000
 FRAMES_PER_SECOND = 100  # mel frames per second of audio
@@ -35,35 +30,192 @@ FRAMES_PER_SECOND = 100  # mel frames per second of audio
 class Engine:
     """Exact Whisper decoding, speculative when a draft is given.
 
-    Thread-safe: calls on one engine serialize on its lock; all state lives in the instance.
+    Thread-safe: any number of threads may call `transcribe` / `submit`; their requests share
+    one running batch of at most `max_batch` windows (more wait for a free slot).
     """
 
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
-                 draft_head_tokens: int | None = None):
+                 draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True):
         """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
-        most frequent target-spellable tokens (a cheaper draft head; output stays exact)."""
+        most frequent target-spellable tokens (a cheaper draft head; output stays exact);
+        `max_batch`: windows decoded together (memory: one KV-cache slot each); `background`:
+        decode in a loop thread (False: the calling thread of `transcribe` runs the iterations,
+        and `step()` runs one; for single-threaded hosts and deterministic tests)."""
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if not (isinstance(max_batch, int) and 1 <= max_batch <= 256):
+            raise ValueError(f"max_batch must be an int in 1..256, got {max_batch!r}")
         self.dtype = dtype
         self.target = LoadedModel.load(target, self.device, dtype)
         self.drafter = None
         if draft is not None:
             self.drafter = Drafter(LoadedModel.load(draft, self.device, dtype), self.target, shared_encoder,
                                    draft_head_tokens)
-        self._caches: dict[tuple[str, int], DecoderCache] = {}
-        self._lock = threading.Lock()
-        self._executor = None
+        self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype)
+        self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.background = background
+        self._driver = threading.Lock()  # background=False: one caller drives the loop at a time
+        self.host_syncs = 0  # host reads of device state by the loop (one per iteration)
+        self.iterations = 0
+        self.peak_batch = 0  # the most windows decoded together so far
 
     @property
     def n_mels(self) -> int:
         return self.target.config.num_mel_bins
 
+    # ---------------------------------------------------------------- public API
+    def transcribe(self, mel, language: str | None = None, task: str = "transcribe",
+                   temperature: float = 0.0, top_p: float = 1.0, num_draft_tokens: int | None = None,
+                   max_new_tokens: int | None = None, seed: int | None = None):
+        """Decode `mel` [n_mels, frames] (or a waveform, path, bytes) -> Transcription, or a batch
+        [batch, n_mels, frames] -> a list."""
+        single, futures = self._submit(mel, DecodeOptions(language, task, temperature, top_p,
+                                                          num_draft_tokens, max_new_tokens, seed))
+        if not self.background:
+            self.run_until(futures)
+        results = [f.result() for f in futures]
+        return results[0] if single else results
+
+    def run_until(self, futures) -> None:
+        """background=False: run iterations in this thread until every future is done."""
+        with self._driver:
+            while not all(f.done() for f in futures):
+                try:
+                    with torch.inference_mode():
+                        self.step()
+                except BaseException as exc:
+                    with self._cond:
+                        self.scheduler.fail_all(exc)
+
+    def submit(self, x, language: str | None = None, task: str = "transcribe", temperature: float = 0.0,
+               top_p: float = 1.0, num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
+               seed: int | None = None) -> RequestFuture:
+        """Queue one input for decoding -> a Future of its Transcription. Requests submitted
+        concurrently are decoded together; `future.cancel()` frees a request's slot."""
+        single, futures = self._submit(x, DecodeOptions(language, task, temperature, top_p,
+                                                        num_draft_tokens, max_new_tokens, seed))
+        if not single:
+            raise ValueError("submit takes one input; submit each row of a batch separately")
+        return futures[0]
+
+    # ---------------------------------------------------------------- requests
+    def _submit(self, x, opts: DecodeOptions) -> tuple[bool, list[RequestFuture]]:
+        single, mel = self._as_mel(x)
+        batch = self._check_mel(mel)
+        tok = self.target.tokenizer
+        if opts.language is not None or not tok.multilingual:
+            tok.prompt(opts.language, opts.task)  # validates language and task before any work
+        prompt_len = 4 if tok.multilingual else 2
+        limit = self.target.config.max_target_positions
+        if opts.max_new_tokens is not None and prompt_len + opts.max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens={opts.max_new_tokens} plus the {prompt_len}-token prompt exceeds "
+                             f"the decoder cache of {limit} positions")
+        frames = min(mel.shape[-1], N_FRAMES)
+        futures = []
+        for row in batch:
+            seed = opts.seed if opts.seed is not None else random.getrandbits(62)
+            job = ShortJob(row, frames / FRAMES_PER_SECOND, opts, tok, limit, seed)
+            futures.append(self._enqueue(job))
+        return single, futures
+
+    def _enqueue(self, job) -> RequestFuture:
+        future = RequestFuture()
+        with self._cond:
+            self.scheduler.add(Request(job, future))
+            if self.background and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._loop, name="specwhisper-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return future
+
+    # ---------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self.scheduler.has_work():
+                    if not self._cond.wait(timeout=30.0):
+                        if not self.scheduler.has_work():
+                            self._thread = None  # idle: the next request starts a new loop
+                            return
+            try:
+                with torch.inference_mode():
+                    self.step()
+            except BaseException as exc:  # a failed iteration fails its requests, not the engine
+                with self._cond:
+                    self.scheduler.fail_all(exc)
+
+    def step(self) -> None:
+        """One iteration: admit, draft, verify, accept, commit, let finished windows leave."""
+        with self._cond:
+            admitted = self.scheduler.schedule()
+        B = len(self.scheduler.running)
+        if B == 0:
+            return
+        self.peak_batch = max(self.peak_batch, B)
+        runner = self.runner
+        if admitted:
+            runner.progress(B)  # refresh the host's view of lengths after prefills
+        modes = runner.modes(B)
+        k, rule = self._choose_k(B)
+        proposals = None
+        t0 = time.perf_counter()
+        if k > 0:
+            proposals = runner.draft(B, k, modes)
+        t1 = time.perf_counter()
+        runner.verify_accept_commit(B, k, proposals, modes)
+        progress = runner.progress(B)  # the one host read of the iteration
+        t2 = time.perf_counter()
+        self.host_syncs += 1
+        self.iterations += 1
+        if rule is not None:
+            rule.update(k, progress[2].tolist(), progress[0].tolist(), draft_seconds=t1 - t0,
+                        verify_seconds=t2 - t1)
+        with self._cond:
+            self.scheduler.postprocess(progress)
+
+    def _choose_k(self, B: int) -> tuple[int, DraftLength | None]:
+        """The iteration's k: the largest a row asks for (rows with a smaller fixed k propose fewer);
+        adaptive rows follow the drafter's running estimate."""
+        if self.drafter is None:
+            return 0, None
+        specs = [r for r in self.runner.host_options[:B] if r is not None and r.use_draft]
+        if not specs:
+            return 0, None
+        adaptive = any(sp.num_draft_tokens is None for sp in specs)
+        k = max((sp.num_draft_tokens or 0) for sp in specs)
+        rule = self.drafter.length if adaptive else None
+        if adaptive:
+            k = max(k, rule.k)
+        room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
+        return max(0, min(k, MAX_K, room)), rule
+
     # ---------------------------------------------------------------- input checks
+    def _as_mel(self, x) -> tuple[bool, torch.Tensor]:
+        """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames]).
+        Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a log-mel here."""
+        from .audio import HOP_LENGTH, load_audio, log_mel_spectrogram
+
+        if isinstance(x, (str, bytes, bytearray, memoryview)) or hasattr(x, "__fspath__"):
+            x = load_audio(x)
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        if isinstance(x, torch.Tensor) and x.ndim == 1:
+            if x.numel() == 0:
+                raise ValueError("audio is empty (0 samples)")
+            if x.numel() > N_FRAMES * HOP_LENGTH:
+                raise ValueError(f"audio is {x.numel() / 16000:.1f} s long; inputs longer than 30 s need "
+                                 "long-form decoding, which this engine does not do yet")
+            frames = -(-x.numel() // HOP_LENGTH)
+            return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels)[:, :frames]
+        return getattr(x, "ndim", None) == 2, x
+
     def _check_mel(self, mel) -> torch.Tensor:
         if isinstance(mel, np.ndarray):
             mel = torch.from_numpy(mel)
@@ -91,198 +243,3 @@ class Engine:
             floor = (batch.amax(dim=(1, 2), keepdim=True) - 2.0).clamp(min=-1.5)
             batch = torch.cat([batch, floor.expand(-1, batch.shape[1], N_FRAMES - frames)], dim=2)
         return batch
-
-    def _cache(self, role: str, cfg: WhisperConfig, batch: int) -> DecoderCache:
-        """Static caches, allocated once per (model, batch bucket) and reused for every call."""
-        bucket = 1 << (batch - 1).bit_length()
-        key = (role, bucket)
-        if key not in self._caches:
-            self._caches[key] = DecoderCache.allocate(cfg, bucket, self.device, self.dtype)
-        return self._caches[key]
-
-    # ---------------------------------------------------------------- public API
-    def transcribe(self, mel, language: str | None = None, task: str = "transcribe",
-                   temperature: float = 0.0, top_p: float = 1.0, num_draft_tokens: int | None = None,
-                   max_new_tokens: int | None = None, seed: int | None = None):
-        """Decode `mel` [n_mels, frames] -> Transcription, or [batch, n_mels, frames] -> a list."""
-        opts = DecodeOptions(language, task, temperature, top_p, num_draft_tokens, max_new_tokens, seed)
-        single, mel = self._as_mel(mel)
-        batch = self._check_mel(mel)
-        if language is not None:
-            self.target.tokenizer.prompt(language, task)  # validates the code before any work
-        with self._lock, torch.inference_mode():
-            results = self._decode(batch, opts)
-        duration = min(mel.shape[-1], N_FRAMES) / FRAMES_PER_SECOND
-        for r in results:
-            r.duration = duration
-            r.segments = [Segment(0, 0, 0.0, duration, r.text, r.tokens)]
-        return results[0] if single else results
-
-    def submit(self, x, **options) -> Future:
-        """`transcribe(x, **options)` in the engine's background worker -> a Future of its result."""
-        if self._executor is None:
-            with self._lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="specwhisper")
-        return self._executor.submit(self.transcribe, x, **options)
-
-    def _as_mel(self, x) -> tuple[bool, torch.Tensor]:
-        """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames]).
-        Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a log-mel here."""
-        from .audio import HOP_LENGTH, load_audio, log_mel_spectrogram
-
-        if isinstance(x, (str, bytes, bytearray, memoryview)) or hasattr(x, "__fspath__"):
-            x = load_audio(x)
-        if isinstance(x, np.ndarray):
-            x = torch.from_numpy(x)
-        if isinstance(x, torch.Tensor) and x.ndim == 1:
-            if x.numel() == 0:
-                raise ValueError("audio is empty (0 samples)")
-            if x.numel() > N_FRAMES * HOP_LENGTH:
-                raise ValueError(f"audio is {x.numel() / 16000:.1f} s long; inputs longer than 30 s need "
-                                 "long-form decoding, which this engine does not do yet")
-            frames = -(-x.numel() // HOP_LENGTH)
-            return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels)[:, :frames]
-        return getattr(x, "ndim", None) == 2, x
-
-    # ---------------------------------------------------------------- decoding
-    def _accept(self, choice, target_logits, proposals, draft_logits, opts, generator):
-        """Accept step over a verify pass -> (tokens [B, k+1], n_emitted [B]). Greedy needs only
-        the target's choices [B, k+1]; sampling needs both models' suppressed logits.
-
-        With another draft vocabulary, sampling runs over the target's ids plus one extra id for
-        "a draft token the target cannot spell": the draft's mass there is always rejected
-        (the target gives it probability 0), which keeps the output distribution exact."""
-        if opts.temperature == 0.0:
-            return sampling.greedy_accept_choices(choice, proposals)
-        vocab = self.drafter.vocab
-        if vocab.identity:
-            return sampling.speculative_sample(target_logits, draft_logits, proposals,
-                                               opts.temperature, opts.top_p, generator)
-        target_probs = sampling.processed_probs(target_logits, opts.temperature, opts.top_p)
-        draft_probs = sampling.processed_probs(draft_logits, opts.temperature, opts.top_p)
-        B, k, V = target_logits.shape[0], proposals.shape[1], target_logits.shape[-1]
-        mapped = vocab.draft_to_target.to(self.device)
-        ok = mapped >= 0
-        q = torch.zeros(B, k, V + 1, device=self.device)
-        q[..., mapped[ok]] = draft_probs[..., ok]
-        q[..., V] = draft_probs[..., ~ok].sum(-1)
-        p = torch.nn.functional.pad(target_probs, (0, 1))
-        unspellable = torch.where(proposals >= 0, proposals, V)
-        return sampling.speculative_sample(p.log(), q.log(), unspellable, 1.0, 1.0, generator)
-
-    def _detect_language(self, tcache: DecoderCache, batch: int) -> list[str]:
-        tok, dec = self.target.tokenizer, self.target.model.decoder
-        sot = torch.full((batch, 1), tok.sot, device=self.device)
-        logits = dec(sot, torch.zeros_like(sot), tcache, kv_len=1)[:, 0].float()
-        lang_ids = torch.tensor(list(tok.languages.values()), device=self.device)
-        best = lang_ids[logits[:, lang_ids].argmax(dim=-1)]
-        return [tok.language_code(int(t)) for t in best.tolist()]
-
-    def _decode(self, mel: torch.Tensor, opts: DecodeOptions) -> list[Transcription]:
-        start = time.perf_counter()
-        B = mel.shape[0]
-        target, tok = self.target, self.target.tokenizer
-        cfg, dec = target.config, target.model.decoder
-        generator = None
-        if opts.temperature > 0.0:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(opts.seed if opts.seed is not None else int(torch.randint(2**62, ()).item()))
-
-        features = target.model.encoder(mel.to(self.dtype))
-        tcache = self._cache("target", cfg, B)
-        dec.fill_cross(tcache, features, slice(0, B))
-
-        if not tok.multilingual:
-            languages = [None] * B
-            tok.prompt(opts.language, opts.task)  # refuses a non-English language
-        elif opts.language is None:
-            languages = self._detect_language(tcache, B)
-        else:
-            languages = [opts.language.lower()] * B
-        prompts = [tok.prompt(lang if tok.multilingual else opts.language, opts.task) for lang in languages]
-        P = len(prompts[0])
-        max_new = opts.max_new_tokens if opts.max_new_tokens is not None else cfg.max_target_positions - P
-        if P + max_new > cfg.max_target_positions:
-            raise ValueError(f"max_new_tokens={max_new} plus the {P}-token prompt exceeds the decoder "
-                             f"cache of {cfg.max_target_positions} positions")
-
-        pick = lambda model, hidden, first=False: model.pick(  # noqa: E731
-            hidden, first, opts.temperature, opts.top_p, generator)
-        stats = [Stats() for _ in range(B)]
-        passes = 0  # target passes; one batched pass serves every row
-
-        # Prefill: the whole prompt; its last position predicts the first generated token.
-        prompt = torch.tensor(prompts, device=self.device)
-        pos = torch.arange(P, device=self.device).expand(B, P)
-        first = pick(target, dec.hidden(prompt, pos, tcache, kv_len=P)[:, -1:], first=True)[0][:, 0].tolist()
-        passes += 1
-
-        out = [[t] for t in first]
-        done = [t == tok.eot or max_new == 1 for t in first]
-        n = [P] * B  # position of each row's pending token (= tokens in the target cache)
-        spec, can_draft = None, self.drafter is not None
-        k_rule = DraftLength(opts.num_draft_tokens)
-        if can_draft and opts.num_draft_tokens is None:
-            k_rule = self.drafter.length  # running estimates carry over between calls
-
-        while not all(done):
-            remaining = [max_new - len(o) for o in out]
-            k = 0
-            if can_draft and k_rule.k > 0 and spec is None:
-                # the draft starts (encoder, cross K/V, catch-up) only once drafting is wanted
-                setup = time.perf_counter()
-                spec = self.drafter.start(self, mel, features, prompts, out, opts, generator)
-                k_rule.charge(time.perf_counter() - setup)
-                can_draft = spec is not None
-            if spec is not None and k_rule.k > 0:
-                k = min(k_rule.k, max(remaining[b] - 1 for b in range(B) if not done[b]), spec.room(done))
-            t0 = time.perf_counter()
-            if k > 0:
-                proposals, draft_logits = spec.propose(k, done, pick)  # [B, k] target ids (-1: none)
-            t1 = time.perf_counter()
-            feed = torch.tensor([[o[-1]] for o in out], device=self.device)
-            if k > 0:
-                feed = torch.cat([feed, proposals.clamp(min=0)], dim=1)
-            limit = cfg.max_target_positions - 1
-            pos = (torch.tensor(n, device=self.device)[:, None] + torch.arange(k + 1, device=self.device)).clamp(max=limit)
-            kv_len = min(max(n) + k + 1, cfg.max_target_positions)
-            choice, logits = pick(target, dec.hidden(feed, pos, tcache, kv_len=kv_len))  # [B, k+1]
-            passes += 1
-            if k > 0:
-                tokens, n_emitted = self._accept(choice, logits, proposals, draft_logits, opts, generator)
-            else:
-                tokens, n_emitted = choice, torch.ones(B, dtype=torch.long)
-            t2 = time.perf_counter()
-            tokens, n_emitted = tokens.tolist(), n_emitted.tolist()
-            accepted = []
-            for b in range(B):
-                if done[b]:
-                    accepted.append(-1)
-                    continue
-                new = tokens[b][: min(n_emitted[b], remaining[b])]
-                if tok.eot in new:
-                    new = new[: new.index(tok.eot) + 1]
-                # draft tokens among the emitted ones (an EOT or the length limit may cut the
-                # run before its correction/bonus token)
-                accepted.append(min(n_emitted[b] - 1, len(new)))
-                n[b] += len(new)
-                out[b].extend(new)
-                done[b] = new[-1] == tok.eot or len(out[b]) >= max_new
-                if k > 0:  # proposals past the row's end were never needed: not counted
-                    stats[b].drafted += min(spec.valid[b], len(new)) if done[b] else spec.valid[b]
-                    stats[b].accepted += accepted[-1]
-            if spec is not None:
-                spec.commit(accepted, out, done)  # with k == 0 too: the draft keeps following
-            k_rule.update(k, accepted, done, draft_seconds=t1 - t0, verify_seconds=t2 - t1)
-        seconds = time.perf_counter() - start
-        results = []
-        for b in range(B):
-            s = stats[b]
-            s.target_passes, s.draft_passes = passes, spec.passes if spec is not None else 0
-            s.acceptance_rate = s.accepted / s.drafted if s.drafted else 1.0
-            s.tokens_per_pass = len(out[b]) / passes
-            s.seconds = seconds
-            tokens = out[b][:-1] if out[b][-1] == tok.eot else out[b]
-            results.append(Transcription(tok.decode(tokens), tokens, languages[b], s))
-        return results

@@ -1,0 +1,425 @@
+"""The runner: a pool of decoder slots, static buffers, and the step functions of one iteration.
+
+One *slot* holds one sequence being decoded (one 30 s window of one request): its target (and
+draft) KV caches, cross-attention K/V filled at admission, and its loop state as device tensors.
+Active sequences occupy slots 0..n_active-1 (the scheduler compacts after a sequence leaves), so a
+step runs over a prefix of the pool.
+
+Glossary (one iteration, per row):
+- *pending token*: the last emitted token; it is not yet in the target cache and is fed first.
+- *drafted* tokens: the k tokens the draft proposes after the pending token (`draft(k)`).
+- *verify pass*: one target forward over [pending, drafted...] (k + 1 positions).
+- *choice*: the target's own token at each of those positions (its greedy argmax, or the winner
+  of its seeded exponential race when sampling), under Whisper's logit rules for that prefix.
+- *accepted* tokens: the longest prefix of the drafted tokens equal to the target's choices; the
+  first drafted token that differs is *rejected*, and the target's choice there is the
+  *correction* token; when all k are accepted the choice after them is the *bonus* token.
+Each iteration emits accepted + 1 tokens (cut at EOT and the row's budget), exactly the target's
+own output. Rollback is a length: stale cache slots are masked and overwritten.
+
+State layout (S slots, L = 448 positions + room for the widest write past the end):
+tokens [S, L] target ids (prompt, then generated); n_tokens [S] (the pending token is
+tokens[n_tokens - 1], at position n_tokens - 1, and the cache holds positions < n_tokens - 1);
+prompt_len, budget (max n_tokens), done; per-row options (temperature, top_p, seed, timestamps);
+draft side: dtokens [S, L] draft ids, dn [S], dcached [S] (leading draft tokens in its cache).
+The host reads one small tensor per iteration (`progress`): done flags, lengths, acceptances.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import sampling
+from .draft import Drafter, greedy_tokens
+from .model import DecoderCache
+
+MAX_K = 16  # the most draft tokens one verify pass checks
+
+
+@dataclass
+class SeqSpec:
+    """One sequence to decode in a slot: a window's prompt and per-row options."""
+
+    prompt: list[int]  # full decoder prefix (previous text, then the start-of-transcript sequence)
+    language: str | None  # language of the prompt (the draft builds its own prompt from it)
+    task: str  # "transcribe" or "translate"
+    max_new_tokens: int  # generated tokens incl. EOT
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0  # noise key of sampled rows (counter-based: tokens do not depend on k or batch)
+    timestamps: bool = False  # apply the timestamp rules
+    max_initial_timestamp: int = -1  # last allowed initial timestamp index (-1: no limit)
+    num_draft_tokens: int | None = None  # fixed k for this row; None: adaptive
+    use_draft: bool = True  # False: the draft stands aside for this row
+    sot_index: int = 0  # index of <|startoftranscript|> in `prompt` (no-speech probability)
+    need_logprobs: bool = False  # accumulate the log-probabilities of the generated tokens
+
+    @property
+    def plain(self) -> bool:
+        """Plain greedy: the exact (screened) greedy head, no full logits needed."""
+        return self.temperature == 0 and not self.timestamps and not self.need_logprobs
+
+
+@dataclass
+class SeqOutput:
+    tokens: list[int]  # generated ids without EOT
+    generated: int  # generated tokens including EOT
+    sum_logprob: float  # sum of log-probabilities of the generated tokens incl. EOT
+    no_speech_prob: float  # probability of no-speech at the start-of-transcript position
+    drafted: int
+    accepted: int
+    target_passes: int
+    draft_passes: int
+
+
+class Runner:
+    def __init__(self, target, drafter: Drafter | None, max_batch: int, device, dtype):
+        self.target, self.drafter = target, drafter
+        self.device, self.dtype, self.max_batch = device, dtype, max_batch
+        cfg = target.config
+        self.max_pos = cfg.max_target_positions  # 448
+        S, L = max_batch, self.max_pos + 2 * MAX_K + 8
+        self.cache = DecoderCache.allocate(cfg, S, device, dtype)
+        z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.tokens, self.n_tokens, self.prompt_len, self.budget = z(S, L), z(S), z(S), z(S)
+        self.done = z(S, dtype=torch.bool)
+        self.temperature, self.top_p = z(S, dtype=torch.float32), z(S, dtype=torch.float32)
+        self.seed, self.row_k = z(S), z(S)
+        self.timestamps, self.max_initial_ts = z(S, dtype=torch.bool), z(S)
+        self.plain = z(S, dtype=torch.bool)  # plain greedy rows (see SeqSpec.plain)
+        self.sum_logprob = z(S, dtype=torch.float64)
+        self.drafted, self.accepted_total = z(S), z(S)
+        self.target_passes, self.draft_passes = z(S), z(S)
+        self.accepted_now = z(S)  # accepted drafts in the last iteration (-1: none proposed)
+        self.no_speech = z(S, dtype=torch.float32)
+        self.suppress = target.suppress  # [V] bool
+        self.begin_suppress = target.begin_suppress
+        tok = target.tokenizer
+        self.eot = tok.eot
+        self.no_speech_id = next((i for i in (tok.backend.token_to_id("<|nospeech|>"),
+                                              tok.backend.token_to_id("<|nocaptions|>")) if i is not None), None)
+        self.host_options = [None] * S  # SeqSpec per slot (host copy, for mode decisions)
+        self.trim = device.type == "cpu"  # attend only up to the longest row (CPU: measurably faster)
+        self._host_n_max = self._host_dn_max = self.max_pos  # host mirrors, refreshed by progress()
+        self.host_n = [0] * S  # n_tokens per slot as of the last progress() read
+        self.host_budget = [0] * S  # budget per slot (known on the host from the spec)
+        if drafter is not None:
+            d = drafter
+            self.dcache = DecoderCache.allocate(d.draft.config, S, device, dtype)
+            self.dtokens, self.dn, self.dcached = z(S, L), z(S), z(S)
+            self.draft_on = z(S, dtype=torch.bool)
+            self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
+            self.d2t = d.draft_to_target.to(device)
+            self.noise_ids = d.noise_ids.to(device)
+            self.catchup = 1 + self.t2d.shape[1]  # fixed catch-up width: the last draft + a spelling
+            self.draft_synced = True  # every row's uncached draft tokens fit the catch-up width
+            self.raw = z(S, MAX_K)  # last proposals in draft ids
+
+    # ---------------------------------------------------------------- slots
+    def cache_rows(self, cache: DecoderCache, s: int) -> DecoderCache:
+        return DecoderCache(*(t[:, s:s + 1] for t in cache.buffers()))
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot `src` into slot `dst` (compaction after `dst` was freed)."""
+        tensors = [self.tokens, self.n_tokens, self.prompt_len, self.budget, self.done, self.temperature,
+                   self.top_p, self.seed, self.row_k, self.timestamps, self.plain, self.max_initial_ts, self.sum_logprob,
+                   self.drafted, self.accepted_total, self.target_passes, self.draft_passes,
+                   self.accepted_now, self.no_speech]
+        caches = [self.cache]
+        if self.drafter is not None:
+            tensors += [self.dtokens, self.dn, self.dcached, self.draft_on]
+            caches.append(self.dcache)
+        for t in tensors:
+            t[dst] = t[src]
+        for c in caches:
+            for t in c.buffers():
+                t[:, dst] = t[:, src]
+        for host in (self.host_options, self.host_n, self.host_budget):
+            host[dst] = host[src]
+        self.host_options[src] = None
+
+    # ---------------------------------------------------------------- admission
+    @torch.inference_mode()
+    def encode(self, mels: torch.Tensor) -> torch.Tensor:
+        """mel [B, n_mels, 3000] -> target encoder output [B, 1500, d]."""
+        return self.target.model.encoder(mels.to(self.device, self.dtype))
+
+    @torch.inference_mode()
+    def detect_language(self, features: torch.Tensor) -> list[str]:
+        """Language codes from the target's logits after <|startoftranscript|> (slot 0 of a
+        scratch cache is not needed: cross K/V are computed on the fly for the rows given)."""
+        tok, dec = self.target.tokenizer, self.target.model.decoder
+        B = features.shape[0]
+        cache = DecoderCache.allocate(self.target.config, B, self.device, self.dtype)
+        dec.fill_cross(cache, features)
+        sot = torch.full((B, 1), tok.sot, device=self.device)
+        logits = dec(sot, torch.zeros_like(sot), cache, kv_len=1)[:, 0].float()
+        lang_ids = torch.tensor(list(tok.languages.values()), device=self.device)
+        best = lang_ids[logits[:, lang_ids].argmax(dim=-1)]
+        return [tok.language_code(int(t)) for t in best.tolist()]
+
+    @torch.inference_mode()
+    def admit(self, s: int, spec: SeqSpec, features: torch.Tensor, draft_mel: torch.Tensor | None) -> None:
+        """Fill slot `s`: cross K/V, prompt prefill, the first generated token, the draft's start."""
+        dec = self.target.model.decoder
+        rows = self.cache_rows(self.cache, s)
+        dec.fill_cross(rows, features[None])
+        P = len(spec.prompt)
+        prompt = torch.tensor([spec.prompt], device=self.device)
+        hidden = dec.hidden(prompt, torch.arange(P, device=self.device)[None], rows, kv_len=P)
+        self.host_options[s] = spec
+        self.tokens[s, :P] = prompt[0]
+        self.n_tokens[s], self.prompt_len[s] = P, P
+        self.budget[s] = P + spec.max_new_tokens
+        self.host_budget[s] = P + spec.max_new_tokens
+        self.done[s] = False
+        self.temperature[s], self.top_p[s], self.seed[s] = spec.temperature, spec.top_p, spec.seed
+        self.timestamps[s], self.max_initial_ts[s] = spec.timestamps, spec.max_initial_timestamp
+        self.plain[s] = spec.plain
+        self.row_k[s] = spec.num_draft_tokens or 0
+        for t in (self.sum_logprob, self.drafted, self.accepted_total, self.draft_passes):
+            t[s] = 0
+        self.target_passes[s] = 1
+        if self.no_speech_id is not None:
+            sot_logits = dec.logits(hidden[0, spec.sot_index]).float()
+            self.no_speech[s] = sot_logits.softmax(-1)[self.no_speech_id]
+        # the first token: the prompt's last position, as if it were a one-position verify pass
+        slot = torch.tensor([s], device=self.device)
+        first = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1, (spec.plain, not spec.plain))
+        self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device))
+        if self.drafter is not None:
+            self.draft_on[s] = spec.use_draft
+            self.dn[s] = self.dcached[s] = 0
+            if spec.use_draft:
+                self.start_draft(s, spec, features, draft_mel)
+
+    def start_draft(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
+        d = self.drafter
+        ddec = d.draft.model.decoder
+        rows = self.cache_rows(self.dcache, s)
+        dfeat = features[None] if d.shared_encoder else d.draft.model.encoder(draft_mel[None].to(self.device, self.dtype))
+        ddec.fill_cross(rows, dfeat)
+        dprompt = d.prompt(spec)
+        P = len(dprompt)
+        ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],
+                    rows, kv_len=P)
+        self.draft_passes[s] = 1
+        self.dtokens[s, :P] = torch.tensor(dprompt, device=self.device)
+        self.dn[s], self.dcached[s] = P, P
+        # the first generated token, spelled in draft ids
+        first = self.tokens[s, self.n_tokens[s] - 1]
+        w = self.t2d_len[first]
+        self.dtokens[s, P:P + self.t2d.shape[1]] = self.t2d[first]
+        self.dn[s] = P + w
+
+    # ---------------------------------------------------------------- choosing tokens
+    def modes(self, B: int) -> tuple[bool, bool]:
+        """(any plain-greedy row, any full-logits row) among the first B slots (host options)."""
+        specs = [sp for sp in self.host_options[:B] if sp is not None]
+        return any(sp.plain for sp in specs), any(not sp.plain for sp in specs)
+
+    def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
+               modes: tuple[bool, bool]) -> torch.Tensor:
+        """The target's choices [B, T] from hidden [B, T, d] of rows `slots` [B]; position t of row
+        b predicts the token at index `index[b] + 1 + t` (`index` is the pending token's index).
+
+        A row's choice depends only on its own options, never on its batch neighbours: plain
+        greedy rows use the exact screened head; the others the full logits under Whisper's
+        rules, then the seeded race (temperature 0: the argmax). Leaves the log-probabilities of
+        full rows in `self.last_logprobs` [B, T, V] (None when no row is full)."""
+        any_plain, any_full = modes
+        B, T, _ = hidden.shape
+        predicted = index[:, None] + 1 + torch.arange(T, device=self.device)  # [B, T]
+        at_begin = predicted == self.prompt_len[slots][:, None]
+        banned = self.suppress | (at_begin[..., None] & self.begin_suppress)  # [B, T, V]
+        self.last_logprobs = None
+        choice = greedy_tokens(self.target, self.target.head, hidden, banned) if any_plain else None
+        if any_full:
+            logits = self.target.model.decoder.logits(hidden).float().masked_fill_(banned, -float("inf"))
+            # TODO(timestamps): rules.apply_rules at every position given its proposed prefix
+            self.last_logprobs = torch.log_softmax(logits, dim=-1)
+            rows = slots[:, None].expand(B, T).reshape(-1)
+            raced = sampling_race(logits.reshape(B * T, -1), self.temperature[rows], self.top_p[rows],
+                                  self.seed[rows], predicted.reshape(-1), None).view(B, T)
+            choice = raced if choice is None else torch.where(self.plain[slots][:, None], choice, raced)
+        return choice
+
+    # ---------------------------------------------------------------- one iteration
+    @torch.inference_mode()
+    def draft(self, B: int, k: int, modes: tuple[bool, bool]) -> torch.Tensor:
+        """k proposals per row [B, k] in target ids (-1: no usable proposal from there on)."""
+        d = self.drafter
+        ddec = d.draft.model.decoder
+        slots = torch.arange(B, device=self.device)
+        if not self.draft_synced:
+            self.catch_up(B)
+        dn, dc = self.dn[:B], self.dcached[:B]
+        width = self.catchup
+        start = torch.minimum(dc, dn - 1)
+        m = dn - start  # uncached tokens (at least 1: the last token is re-fed when none is)
+        j = torch.arange(width, device=self.device)
+        src = start[:, None] + (j[None] - (width - m[:, None])).clamp(min=0)  # [B, width]
+        feed = self.dtokens[:B].gather(1, src)
+        kv_len = min(int(self._host_dn_max) + k + 1, self.max_pos + 1) if self.trim else None
+        hidden = ddec.hidden(feed, src, self.dcache_view(B), kv_len=kv_len)[:, -1:]
+        raws = []
+        for step in range(k):
+            x = self.draft_choose(hidden, slots, self.n_tokens[:B] - 1 + step, modes[1])  # [B]
+            raws.append(x)
+            if step + 1 < k:
+                pos = (dn + step)[:, None]
+                hidden = ddec.hidden(x[:, None], pos, self.dcache_view(B), kv_len=kv_len)
+        self.draft_passes[:B] += k
+        raw = torch.stack(raws, dim=1)  # [B, k] draft ids
+        self.raw[:B, :k] = raw
+        self.dcached[:B] = dn + k - 1
+        mapped = self.d2t[raw]
+        usable = (mapped >= 0) & self.draft_on[:B, None] & (dn[:, None] + k <= self.max_pos)
+        # a row with a fixed smaller k proposes only that many
+        limit = torch.where(self.row_k[:B] > 0, self.row_k[:B], k)
+        usable &= j_range(k, self.device)[None] < limit[:, None]
+        usable = usable.long().cumprod(dim=1).bool()
+        return torch.where(usable, mapped, -1)
+
+    def dcache_view(self, B: int) -> DecoderCache:
+        return DecoderCache(*(t[:, :B] for t in self.dcache.buffers()))
+
+    def draft_choose(self, hidden, slots, index, full) -> torch.Tensor:
+        """The draft's proposal [B] from hidden [B, 1, d]: its greedy argmax, or its race winner
+        under the target's noise (keyed by target ids) for sampled rows."""
+        d = self.drafter
+        banned = d.draft.suppress
+        if not full:
+            return d.greedy(hidden, banned)[:, 0]
+        logits = d.draft.model.decoder.logits(hidden[:, 0]).float().masked_fill_(banned, -float("inf"))
+        return sampling_race(logits, self.temperature[slots], self.top_p[slots], self.seed[slots],
+                             index + 1, self.noise_ids)
+
+    def catch_up(self, B: int) -> None:
+        """Feed every row's uncached draft tokens (after iterations without drafting)."""
+        ddec = self.drafter.draft.model.decoder
+        dn, dc = self.dn[:B], self.dcached[:B]
+        width = int((dn - torch.minimum(dc, dn - 1)).max())
+        start = torch.minimum(dc, dn - 1)
+        m = dn - start
+        j = torch.arange(width, device=self.device)
+        src = start[:, None] + (j[None] - (width - m[:, None])).clamp(min=0)
+        ddec.hidden(self.dtokens[:B].gather(1, src), src, self.dcache_view(B))
+        self.dcached[:B] = torch.maximum(dn - 1, dc)
+        self.draft_passes[:B] += 1
+        self.draft_synced = True
+
+    @torch.inference_mode()
+    def verify_accept_commit(self, B: int, k: int, proposals: torch.Tensor | None, modes) -> None:
+        dec = self.target.model.decoder
+        slots = torch.arange(B, device=self.device)
+        n = self.n_tokens[:B]
+        pending = self.tokens[:B].gather(1, (n - 1)[:, None])  # [B, 1]
+        feed = pending if k == 0 else torch.cat([pending, proposals.clamp(min=0)], dim=1)
+        pos = (n - 1)[:, None] + torch.arange(k + 1, device=self.device)
+        kv_len = min(int(self._host_n_max) + k + 1, self.max_pos + 1) if self.trim else None
+        hidden = dec.hidden(feed, pos, DecoderCache(*(t[:, :B] for t in self.cache.buffers())), kv_len=kv_len)
+        choice = self.choose(hidden, slots, n - 1, modes)  # [B, k+1]
+        self.target_passes[:B] += 1
+        if k == 0:
+            n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
+        else:
+            n_acc = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
+            valid = (proposals >= 0).sum(dim=1)
+            live = ~self.done[:B]
+        emitted = self.commit_target(slots, choice, n_acc + 1)
+        if k > 0:
+            # proposals past a row's end (EOT or budget) were never needed: not counted
+            self.drafted[:B] += torch.where(live, torch.where(self.done[:B], torch.minimum(valid, emitted), valid), 0)
+            accepted = torch.minimum(n_acc, emitted)
+            self.accepted_total[:B] += torch.where(live, accepted, 0)
+            self.accepted_now[:B] = torch.where(live, accepted, -1)
+        else:
+            self.accepted_now[:B] = torch.where(~self.done[:B], 0, -1)
+        if self.drafter is not None:
+            self.commit_draft(B, k, n_acc)
+
+    def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor) -> torch.Tensor:
+        """Append the first `n_emit` choices of each row (cut at EOT and the budget) -> the number
+        appended [B]. Done rows append nothing."""
+        B, T = choice.shape
+        n = self.n_tokens[slots]
+        t = torch.arange(T, device=self.device)
+        is_eot = (choice == self.eot) & (t[None] < n_emit[:, None])
+        first_eot = torch.where(is_eot.any(1), is_eot.long().argmax(1) + 1, T + 1)
+        m = torch.minimum(torch.minimum(n_emit, first_eot), self.budget[slots] - n)
+        m = torch.where(self.done[slots], 0, m.clamp(min=0))
+        keep = t[None] < m[:, None]
+        idx = n[:, None] + t[None]
+        old = self.tokens[slots].gather(1, idx)
+        self.tokens[slots[:, None], idx] = torch.where(keep, choice, old)
+        if self.last_logprobs is not None:
+            lp = self.last_logprobs.gather(2, choice[..., None]).squeeze(2).double()  # [B, T]
+            self.sum_logprob[slots] += torch.where(keep, lp, 0.0).sum(1)
+        n_new = n + m
+        self.n_tokens[slots] = n_new
+        last = self.tokens[slots].gather(1, (n_new - 1)[:, None])[:, 0]
+        self.done[slots] |= (last == self.eot) | (n_new >= self.budget[slots])
+        return m
+
+    def commit_draft(self, B: int, k: int, n_acc: torch.Tensor) -> None:
+        """Keep the accepted drafts' cache entries, append the correction/bonus token spelled in
+        draft ids, drop the rest by shortening the length."""
+        dn = self.dn[:B]
+        rows = torch.arange(B, device=self.device)[:, None]
+        if k > 0:
+            self.dtokens[rows, dn[:, None] + j_range(k, self.device)] = self.raw[:B, :k]
+            self.dcached[:B] = torch.minimum(self.dcached[:B], dn + n_acc)
+        else:
+            self.draft_synced = False
+        last = self.tokens[:B].gather(1, (self.n_tokens[:B] - 1)[:, None])[:, 0]
+        W = self.t2d.shape[1]
+        base = dn + n_acc
+        self.dtokens[rows, base[:, None] + j_range(W, self.device)] = self.t2d[last]
+        new_dn = base + self.t2d_len[last]
+        self.dn[:B] = torch.where(self.done[:B] | ~self.draft_on[:B], dn, new_dn)
+
+    # ---------------------------------------------------------------- host view
+    def progress(self, B: int) -> torch.Tensor:
+        """The one small tensor the host reads per iteration: [4, B] = done, n_tokens,
+        accepted drafts this iteration (-1: none proposed), draft length."""
+        dn = self.dn[:B] if self.drafter is not None else self.n_tokens[:B]
+        progress = torch.stack([self.done[:B].long(), self.n_tokens[:B], self.accepted_now[:B], dn]).cpu()
+        if B:
+            self._host_n_max, self._host_dn_max = int(progress[1].max()), int(progress[3].max())
+            self.host_n[:B] = progress[1].tolist()
+        return progress
+
+    def output(self, s: int) -> SeqOutput:
+        n, P = int(self.n_tokens[s]), int(self.prompt_len[s])
+        tokens = self.tokens[s, P:n].tolist()
+        if tokens and tokens[-1] == self.eot:
+            tokens = tokens[:-1]
+        return SeqOutput(tokens, n - P, float(self.sum_logprob[s]), float(self.no_speech[s]), int(self.drafted[s]),
+                         int(self.accepted_total[s]), int(self.target_passes[s]), int(self.draft_passes[s]))
+
+
+def j_range(n: int, device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+def sampling_race(logits, temperature, top_p, seed, position, noise_ids):
+    """Per row: the argmax at temperature 0, else the winner of the exponential race
+    argmax(p / E) with E keyed by (seed, position, token id)."""
+    if hasattr(sampling, "race_sample"):
+        return sampling.race_sample(logits, temperature, top_p, seed, position, noise_ids)
+    out = logits.argmax(-1)
+    sampled = (temperature > 0).nonzero().squeeze(1).tolist()
+    if not sampled:
+        return out
+    V = logits.shape[-1]
+    ids = noise_ids if noise_ids is not None else torch.arange(V, device=logits.device)
+    for r in sampled:
+        probs = sampling._probs64(logits[r:r + 1], float(temperature[r]), float(top_p[r]))
+        h = (seed[r] * 0x9E3779B1 + position[r] * 0x85EBCA77 + ids * 0xC2B2AE3D) & 0xFFFFFFFF
+        for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
+            h = ((h ^ (h >> shift)) * mul) & 0xFFFFFFFF
+        u = (h.double() + 1.0) / 4294967296.0
+        out[r] = (probs[0] / (-torch.log(u))).argmax()
+    return out

@@ -1,0 +1,171 @@
+"""The scheduler: requests wait, are admitted into free runner slots between iterations, and leave
+when finished (their slot freed, the running rows compacted so they stay a prefix).
+
+A request is a *job* that yields windows to decode one after another (one window for audio of at
+most 30 s; openai-whisper's seek loop for long audio) and records each window's output. Windows of
+different requests share the running batch; each carries its own options (temperature, top_p,
+seed, language, task, k), so greedy and sampled requests run together.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from .results import Stats, Transcription
+from .runner import SeqOutput, SeqSpec
+
+
+@dataclass
+class Window:
+    """One 30 s window a job wants decoded."""
+
+    mel: torch.Tensor  # [n_mels, 3000]
+    spec: Callable[[str | None], SeqSpec]  # the sequence to decode, given the (detected) language
+    language: str | None  # None: detect it from this window (multilingual targets)
+    features: torch.Tensor | None = None  # the target encoder's output, kept for retries
+
+
+class Job(Protocol):
+    def next_window(self) -> Window | None: ...
+    def record(self, output: SeqOutput, language: str | None) -> None: ...
+    def result(self) -> Transcription: ...
+
+
+class RequestFuture(Future):
+    """A Future whose `cancel()` also abandons a request already being decoded: the scheduler
+    frees its slot at the next iteration (the future then raises CancelledError)."""
+
+    abandoned = False
+
+    def cancel(self) -> bool:
+        if super().cancel():
+            return True
+        if not self.done():
+            self.abandoned = True
+        return False
+
+
+@dataclass
+class Request:
+    job: Job
+    future: RequestFuture
+    window: Window | None = None
+    started: float = 0.0
+    stats: Stats = field(default_factory=Stats)
+    tokens_out: int = 0  # generated tokens incl. EOT, all windows
+
+
+class Scheduler:
+    def __init__(self, runner, draft_skip: Callable[[str | None, str], str | None]):
+        self.runner = runner
+        self.draft_skip = draft_skip  # why the draft stands aside for (language, task), or None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # index = slot
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- admission
+    def schedule(self) -> list[Request]:
+        """Admit waiting windows into free slots (encoder, language, prefill) -> the admitted."""
+        free = self.runner.max_batch - len(self.running)
+        joining = []
+        while self.waiting and len(joining) < free:
+            req = self.waiting.popleft()
+            if req.window is None:  # a new request
+                if not req.future.set_running_or_notify_cancel():
+                    continue  # cancelled while waiting
+                req.started = time.perf_counter()
+                req.window = req.job.next_window()
+            joining.append(req)
+        if not joining:
+            return []
+        fresh = [r for r in joining if r.window.features is None]
+        if fresh:
+            feats = self.runner.encode(torch.stack([r.window.mel for r in fresh]))
+            for r, f in zip(fresh, feats):
+                r.window.features = f
+        detect = [r for r in joining if r.window.language is None and self.runner.target.tokenizer.multilingual]
+        if detect:
+            codes = self.runner.detect_language(torch.stack([r.window.features for r in detect]))
+            for r, code in zip(detect, codes):
+                r.window.language = code
+        for req in joining:
+            spec = req.window.spec(req.window.language)
+            reason = self.draft_skip(spec.language, spec.task) if self.runner.drafter is not None else None
+            if reason is not None:
+                spec.use_draft = False
+                req.stats.draft_skipped = reason
+            slot = len(self.running)
+            self.running.append(req)
+            self.runner.admit(slot, spec, req.window.features, req.window.mel)
+        return joining
+
+    # ---------------------------------------------------------------- leaving
+    def postprocess(self, progress: torch.Tensor) -> None:
+        """After an iteration: finished rows leave (results recorded, slots compacted)."""
+        done = progress[0].tolist()
+        for slot in sorted(range(len(self.running)), reverse=True):
+            req = self.running[slot]
+            if done[slot] or req.future.abandoned:
+                self._leave(slot, finished=bool(done[slot]))
+
+    def _leave(self, slot: int, finished: bool) -> None:
+        req = self.running[slot]
+        last = len(self.running) - 1
+        if finished and not req.future.abandoned:
+            output = self.runner.output(slot)
+            self._account(req, output)
+            try:
+                req.job.record(output, req.window.language)
+                req.window = req.job.next_window()
+            except BaseException as exc:  # a job's own error ends that request only
+                req.window = None
+                req.future.set_exception(exc)
+            else:
+                if req.window is not None:
+                    self.waiting.appendleft(req)  # its next window goes first
+                else:
+                    req.stats.seconds = time.perf_counter() - req.started
+                    try:
+                        result = req.job.result()
+                        result.stats = self._final_stats(req)
+                        req.future.set_result(result)
+                    except BaseException as exc:
+                        req.future.set_exception(exc)
+        elif req.future.abandoned and not req.future.done():
+            req.future.set_exception(CancelledError("request cancelled while decoding"))
+        if slot != last:
+            self.runner.move(last, slot)
+            self.running[slot] = self.running[last]
+        self.running.pop()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """An iteration raised: every running request fails with it; the slots are freed."""
+        for req in self.running:
+            if not req.future.done():
+                req.future.set_exception(exc)
+        self.running.clear()
+
+    # ---------------------------------------------------------------- stats
+    def _account(self, req: Request, out: SeqOutput) -> None:
+        s = req.stats
+        s.drafted += out.drafted
+        s.accepted += out.accepted
+        s.target_passes += out.target_passes
+        s.draft_passes += out.draft_passes
+        req.tokens_out += out.generated
+
+    def _final_stats(self, req: Request) -> Stats:
+        s = req.stats
+        s.acceptance_rate = s.accepted / s.drafted if s.drafted else 1.0
+        s.tokens_per_pass = req.tokens_out / max(s.target_passes, 1)
+        return s

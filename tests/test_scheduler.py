@@ -1,0 +1,167 @@
+"""The engine core: continuous batching gives every request exactly the tokens it gets alone.
+
+Requests join a running batch mid-decode and leave early (slots compacted); concurrent callers are
+decoded together; drafts with their own limits stand aside; the static-shape path equals the
+trimmed one; rows run to the end of the 448-position cache."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specwhisper import Engine
+from test_speculative import perturbed
+
+MAX_NEW = 30
+
+
+@pytest.fixture(scope="module")
+def target(ckpt_dir):
+    return ckpt_dir("sched-target", vocab_size=51865, d_model=64, heads=4, seed=21)
+
+
+@pytest.fixture(scope="module")
+def noisy(target, tmp_path_factory):
+    return perturbed(target, tmp_path_factory.mktemp("sched") / "noisy", 0.05, seed=3)
+
+
+@pytest.fixture(scope="module")
+def mels():
+    torch.manual_seed(5)
+    return torch.randn(6, 80, 3000)
+
+
+@pytest.fixture(scope="module")
+def alone(target, mels):
+    """Each request decoded alone, target only: the reference."""
+    engine = Engine(target, max_batch=1)
+    return [engine.transcribe(m, language="en", max_new_tokens=MAX_NEW + 7 * i).tokens for i, m in enumerate(mels)]
+
+
+def staggered(engine, mels, joins_after: int, **kwargs):
+    """Submit request 0, run `joins_after` iterations, then submit the rest; run to the end."""
+    futures = [engine.submit(mels[0], language="en", max_new_tokens=MAX_NEW, **kwargs)]
+    for _ in range(joins_after):
+        engine.step()
+    assert len(engine.scheduler.running) == 1 and not futures[0].done()
+    futures += [engine.submit(m, language="en", max_new_tokens=MAX_NEW + 7 * i, **kwargs)
+                for i, m in enumerate(mels[1:], start=1)]
+    engine.run_until(futures)
+    return [f.result().tokens for f in futures]
+
+
+@pytest.mark.parametrize("draft", [None, "self", "noisy", "english"])
+def test_join_mid_decode_and_leave_early(draft, target, noisy, english, mels, alone):
+    """Request 0 runs alone for a while, five more join (one batch of 4 slots: two wait for a
+    free slot), rows of different budgets leave at different times; every request gets its
+    tokens from decoding alone."""
+    folder = {None: None, "self": target, "noisy": noisy, "english": english}[draft]
+    engine = Engine(target, folder, max_batch=4, background=False)
+    kwargs = {} if draft is None else {"num_draft_tokens": 3}
+    assert staggered(engine, mels, joins_after=5, **kwargs) == alone
+    assert engine.peak_batch == 4
+
+
+def test_adaptive_k_in_a_changing_batch(target, noisy, mels, alone):
+    engine = Engine(target, noisy, max_batch=3, background=False)
+    assert staggered(engine, mels, joins_after=2) == alone
+
+
+def test_concurrent_callers_are_batched(target, noisy, mels, alone):
+    """12 threads call transcribe at once: results equal sequential calls, and the engine
+    decoded several of them together."""
+    engine = Engine(target, noisy, max_batch=8)
+    results = [None] * 12
+    barrier = threading.Barrier(12)
+
+    def call(i):
+        barrier.wait()
+        m = i % len(mels)
+        results[i] = engine.transcribe(mels[m], language="en", max_new_tokens=MAX_NEW + 7 * m,
+                                       num_draft_tokens=2).tokens
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == [alone[i % len(mels)] for i in range(12)]
+    assert engine.peak_batch >= 2
+    assert engine.host_syncs == engine.iterations  # one host read per iteration
+
+
+def test_mixed_greedy_and_sampled_rows(target, mels, alone):
+    """A greedy request's tokens do not depend on sampled neighbours, and a seeded sampled
+    request's tokens do not depend on its neighbours either."""
+    engine = Engine(target, target, max_batch=4, background=False)
+    sampled_alone = engine.transcribe(mels[1], language="en", max_new_tokens=MAX_NEW, temperature=1.0,
+                                      seed=7, num_draft_tokens=2).tokens
+    futures = [engine.submit(mels[0], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3),
+               engine.submit(mels[1], language="en", max_new_tokens=MAX_NEW, temperature=1.0, seed=7,
+                             num_draft_tokens=4),
+               engine.submit(mels[2], language="en", max_new_tokens=MAX_NEW + 14, temperature=0.7, seed=1)]
+    engine.run_until(futures)
+    assert futures[0].result().tokens == alone[0]
+    assert futures[1].result().tokens == sampled_alone
+
+
+def test_english_target_with_multilingual_draft(english, multilingual):
+    """The draft gets its own prompt with the language passed explicitly (an English-only
+    target has no language token to parse back)."""
+    torch.manual_seed(2)
+    mels = torch.randn(2, 80, 3000)
+    plain = Engine(english).transcribe(mels, max_new_tokens=20)
+    spec = Engine(english, multilingual).transcribe(mels, max_new_tokens=20, num_draft_tokens=3)
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+    assert all(o.stats.draft_passes > 0 and o.stats.draft_skipped is None for o in spec)
+
+
+def test_draft_stands_aside_for_what_it_cannot_do(multilingual, english):
+    """An English-only draft cannot translate or follow German: the target decodes alone and the
+    stats say why; the request is never refused because of the draft."""
+    torch.manual_seed(3)
+    mel = torch.randn(80, 3000)
+    engine = Engine(multilingual, english)
+    for kwargs in (dict(task="translate", language="en"), dict(language="de")):
+        out = engine.transcribe(mel, max_new_tokens=12, num_draft_tokens=3, **kwargs)
+        assert out.tokens == Engine(multilingual).transcribe(mel, max_new_tokens=12, **kwargs).tokens
+        assert out.stats.draft_skipped and out.stats.drafted == 0 and out.stats.draft_passes == 0
+
+
+def test_static_shapes_equal_trimmed(target, noisy, mels, alone):
+    """Attention over the whole 449-slot cache with a mask == attention trimmed to the longest row."""
+    engine = Engine(target, noisy, max_batch=4, background=False)
+    engine.runner.trim = False
+    assert staggered(engine, mels[:4], joins_after=3, num_draft_tokens=4) == alone[:4]
+
+
+def test_rows_run_to_the_end_of_the_cache(target, noisy):
+    """Rows that fill all 448 positions, drafted by a noisy draft at k = 8: exact, and the
+    real cache slots hold what target-only decoding wrote (the scratch slot absorbs the rest)."""
+    torch.manual_seed(9)
+    mels = torch.randn(2, 80, 3000)
+    plain = Engine(target, max_batch=2)
+    spec = Engine(target, noisy, max_batch=2)
+    kwargs = dict(language="en", max_new_tokens=444)
+    a = plain.transcribe(mels, **kwargs)
+    b = spec.transcribe(mels, num_draft_tokens=8, **kwargs)
+    assert [o.tokens for o in a] == [o.tokens for o in b]
+    ends = [len(o.tokens) + 4 for o in a]  # prompt + generated (EOT not counted)
+    for row, end in enumerate(ends):
+        # the last token is never fed; everything before it sits at its own position
+        torch.testing.assert_close(spec.runner.cache.self_k[:, row, :, :end - 1],
+                                   plain.runner.cache.self_k[:, row, :, :end - 1], atol=1e-4, rtol=1e-4)
+    assert any(e == 448 for e in ends) or all(len(o.tokens) < 444 for o in a)
+
+
+def test_cancel_frees_the_slot(target, mels):
+    engine = Engine(target, max_batch=1, background=False)
+    first = engine.submit(mels[0], language="en", max_new_tokens=200)
+    engine.step()
+    assert not first.cancel() and first.abandoned  # already decoding: abandoned, slot freed next
+    second = engine.submit(mels[1], language="en", max_new_tokens=5)
+    engine.run_until([second])
+    assert len(second.result().tokens) <= 5
+    with pytest.raises(Exception):
+        first.result(timeout=0)
