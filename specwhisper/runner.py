@@ -186,7 +186,7 @@ class Runner:
             self.no_speech[s] = sot_logits.softmax(-1)[self.no_speech_id]
         # the first token: the prompt's last position, as if it were a one-position verify pass
         slot = torch.tensor([s], device=self.device)
-        first = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1, (spec.plain, not spec.plain))
+        first = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1, (spec.plain, not spec.plain, spec.timestamps))
         self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device))
         if self.drafter is not None:
             self.draft_on[s] = spec.use_draft
@@ -214,13 +214,15 @@ class Runner:
         self.dn[s] = P + w
 
     # ---------------------------------------------------------------- choosing tokens
-    def modes(self, B: int) -> tuple[bool, bool]:
-        """(any plain-greedy row, any full-logits row) among the first B slots (host options)."""
+    def modes(self, B: int) -> tuple[bool, bool, bool]:
+        """(any plain-greedy row, any full-logits row, any timestamp row) among the first B slots
+        (from the host's copy of the options: no device read)."""
         specs = [sp for sp in self.host_options[:B] if sp is not None]
-        return any(sp.plain for sp in specs), any(not sp.plain for sp in specs)
+        return (any(sp.plain for sp in specs), any(not sp.plain for sp in specs),
+                any(sp.timestamps for sp in specs))
 
     def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
-               modes: tuple[bool, bool]) -> torch.Tensor:
+               modes: tuple[bool, bool, bool], proposals: torch.Tensor | None = None) -> torch.Tensor:
         """The target's choices [B, T] from hidden [B, T, d] of rows `slots` [B]; position t of row
         b predicts the token at index `index[b] + 1 + t` (`index` is the pending token's index).
 
@@ -228,7 +230,7 @@ class Runner:
         greedy rows use the exact screened head; the others the full logits under Whisper's
         rules, then the seeded race (temperature 0: the argmax). Leaves the log-probabilities of
         full rows in `self.last_logprobs` [B, T, V] (None when no row is full)."""
-        any_plain, any_full = modes
+        any_plain, any_full = modes[:2]
         B, T, _ = hidden.shape
         predicted = index[:, None] + 1 + torch.arange(T, device=self.device)  # [B, T]
         at_begin = predicted == self.prompt_len[slots][:, None]
@@ -236,18 +238,50 @@ class Runner:
         self.last_logprobs = None
         choice = greedy_tokens(self.target, self.target.head, hidden, banned) if any_plain else None
         if any_full:
-            logits = self.target.model.decoder.logits(hidden).float().masked_fill_(banned, -float("inf"))
-            # TODO(timestamps): rules.apply_rules at every position given its proposed prefix
-            self.last_logprobs = torch.log_softmax(logits, dim=-1)
+            raw = self.target.model.decoder.logits(hidden).float()
+            logits = raw.masked_fill(banned, -float("inf"))
             rows = slots[:, None].expand(B, T).reshape(-1)
+            if modes[2]:
+                ruled = self.timestamp_rules(raw, slots, predicted, at_begin, proposals)
+                logits = torch.where(self.timestamps[slots][:, None, None], ruled, logits)
+            self.last_logprobs = torch.log_softmax(logits, dim=-1)
             raced = sampling_race(logits.reshape(B * T, -1), self.temperature[rows], self.top_p[rows],
                                   self.seed[rows], predicted.reshape(-1), None).view(B, T)
             choice = raced if choice is None else torch.where(self.plain[slots][:, None], choice, raced)
         return choice
 
+    def timestamp_rules(self, logits, slots, predicted, at_begin, proposals) -> torch.Tensor:
+        """Whisper's timestamp rules at every position [B, T] of a pass, each position given its
+        own prefix: the row's tokens, then the proposals before it. Returns new logits."""
+        from . import rules
+
+        if getattr(self, "rule_tables", None) is None:
+            self.rule_tables = rules.RuleTables.build(self.target.tokenizer, logits.shape[-1], self.device)
+        B, T, V = logits.shape
+        seq = self.tokens[slots]  # [B, L] (a copy)
+        if proposals is not None and proposals.shape[1]:
+            k = proposals.shape[1]
+            at = self.n_tokens[slots][:, None] + torch.arange(k, device=self.device)
+            seq.scatter_(1, at, proposals.clamp(min=0))
+        tb = self.rule_tables.timestamp_begin
+        start = self.prompt_len[slots][:, None]
+        j = torch.arange(seq.shape[1], device=self.device)
+        stamps = torch.where((seq >= tb) & (j[None] >= start), seq, -1).cummax(dim=1).values
+        before = (predicted - 1).clamp(min=0)
+        n_sampled = predicted - start
+        last = seq.gather(1, before)
+        penultimate = seq.gather(1, (predicted - 2).clamp(min=0))
+        last_timestamp = torch.where(n_sampled > 0, stamps.gather(1, before), -1)
+        rows = slots[:, None].expand(B, T)
+        flat = lambda t: t.reshape(B * T)  # noqa: E731
+        ruled = rules.apply_rules(logits.reshape(B * T, V).clone(), self.rule_tables, flat(at_begin),
+                                  flat(self.timestamps[rows]), flat(n_sampled), flat(last), flat(penultimate),
+                                  flat(last_timestamp), flat(self.max_initial_ts[rows]))
+        return ruled.view(B, T, V)
+
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
-    def draft(self, B: int, k: int, modes: tuple[bool, bool]) -> torch.Tensor:
+    def draft(self, B: int, k: int, modes: tuple[bool, bool, bool]) -> torch.Tensor:
         """k proposals per row [B, k] in target ids (-1: no usable proposal from there on)."""
         d = self.drafter
         ddec = d.draft.model.decoder
@@ -320,7 +354,7 @@ class Runner:
         pos = (n - 1)[:, None] + torch.arange(k + 1, device=self.device)
         kv_len = min(int(self._host_n_max) + k + 1, self.max_pos + 1) if self.trim else None
         hidden = dec.hidden(feed, pos, DecoderCache(*(t[:, :B] for t in self.cache.buffers())), kv_len=kv_len)
-        choice = self.choose(hidden, slots, n - 1, modes)  # [B, k+1]
+        choice = self.choose(hidden, slots, n - 1, modes, proposals)  # [B, k+1]
         self.target_passes[:B] += 1
         if k == 0:
             n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
