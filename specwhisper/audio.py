@@ -204,7 +204,8 @@ def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
 
 def decode_audio_bytes(data: bytes, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
     """Decode an uploaded file's bytes (any container/codec FFmpeg knows) with PyAV to float32
-    mono samples at `sr`, as faster-whisper does. Stereo is downmixed by FFmpeg's resampler.
+    mono samples at `sr`, as faster-whisper does. Channels are averaged after resampling, as
+    `load_audio` and the `ffmpeg -ac 1` CLI do (PyAV's own mono downmix keeps 0.707 of each).
 
     Raises ValueError naming the problem for empty, truncated, corrupt or non-audio data, and
     for audio longer than `max_seconds` (decoding stops there, so a tiny file cannot expand
@@ -222,16 +223,16 @@ def decode_audio_bytes(data: bytes, sr: int = SAMPLE_RATE, max_seconds: float | 
             if not container.streams.audio:
                 raise ValueError(f"the file ({container.format.name}) contains no audio stream")
             stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=sr)
+            resampler = av.AudioResampler(format="fltp", rate=sr)  # planar, channels kept
             for packet in container.demux(stream):
                 for frame in packet.decode():  # the demuxer's last, empty packet flushes the decoder
                     for out in resampler.resample(frame):
-                        chunks.append(out.to_ndarray().reshape(-1))  # packed flt mono: [1, n]
+                        chunks.append(out.to_ndarray().mean(axis=0))  # [channels, n] -> [n]
                         n += chunks[-1].size
                     if limit is not None and n > limit:
-                        raise ValueError(f"the audio is longer than the {max_seconds:g} s this server accepts")
+                        raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
             for out in resampler.resample(None):  # flush the resampler's delay line
-                chunks.append(out.to_ndarray().reshape(-1))
+                chunks.append(out.to_ndarray().mean(axis=0))
                 n += chunks[-1].size
     except av.error.FFmpegError as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
@@ -242,7 +243,7 @@ def decode_audio_bytes(data: bytes, sr: int = SAMPLE_RATE, max_seconds: float | 
         raise ValueError("the file contains no decodable audio samples (empty or truncated)")
     samples = np.concatenate(chunks).astype(np.float32, copy=False)
     if limit is not None and samples.size > limit:
-        raise ValueError(f"the audio is longer than the {max_seconds:g} s this server accepts")
+        raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
     if not np.isfinite(samples).all():
         raise ValueError("the decoded audio contains non-finite samples (NaN or inf)")
     return samples
