@@ -83,7 +83,8 @@ def run_level(url: str, files, clients: int, per_client: int, time_limit: float,
                     records.append(dict(file=name, audio_seconds=seconds, status=status, text=text,
                                         latency=time.perf_counter() - t0))
 
-    drafted0, accepted0 = scrape(url, "specwhisper_draft_tokens_total"), scrape(url, "specwhisper_draft_accepted_tokens_total")
+    drafted0 = scrape(url, "specwhisper_draft_tokens_total")
+    accepted0 = scrape(url, "specwhisper_draft_accepted_tokens_total")
     start = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:

@@ -39,7 +39,6 @@ from .server_metrics import ServerMetrics
 
 log = logging.getLogger("specwhisper.server")
 
-RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 ResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
 AUDIO_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations", "/transcribe")
 ROUTES = (*AUDIO_ROUTES, "/v1/models", "/health", "/metrics", "/openapi.json", "/docs")
@@ -85,15 +84,18 @@ class CommonFields:
 
 
 def common_fields(
-    file: Annotated[UploadFile, File(description="audio in any format FFmpeg decodes (wav, mp3, flac, ogg, m4a, webm, ...)")],
+    file: Annotated[UploadFile, File(description="audio in any format FFmpeg decodes (wav, mp3, flac, m4a, ...)")],
     model: Annotated[str | None, Form(description="accepted and ignored: the served model answers")] = None,
-    prompt: Annotated[str | None, Form(description="text to condition on (400 while the engine lacks initial_prompt)")] = None,
+    prompt: Annotated[str | None, Form(description="text to condition on; 400 until the engine takes "
+                                                   "initial_prompt")] = None,
     response_format: Annotated[ResponseFormat, Form()] = "json",
     temperature: Annotated[float, Form(ge=0.0, le=1.0)] = 0.0,
     top_p: Annotated[float, Form(gt=0.0, le=1.0, description="nucleus mass when sampling (extension)")] = 1.0,
     seed: Annotated[int | None, Form(ge=0, le=MAX_SEED, description="sampling seed (extension)")] = None,
-    num_draft_tokens: Annotated[int | None, Form(ge=1, le=16, description="draft tokens per verify pass; unset: adaptive (extension)")] = None,
-    stream: Annotated[bool, Form(description="server-sent events: one per finished segment, then transcript.text.done")] = False,
+    num_draft_tokens: Annotated[int | None, Form(ge=1, le=16, description="draft tokens per verify pass; "
+                                                 "unset: adaptive (extension)")] = None,
+    stream: Annotated[bool, Form(description="server-sent events: transcript.text.delta per finished segment, "
+                                             "then transcript.text.done")] = False,
 ) -> CommonFields:
     return CommonFields(file, model, prompt, response_format, temperature, top_p, seed, num_draft_tokens, stream)
 
