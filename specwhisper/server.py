@@ -21,7 +21,7 @@ import logging
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -150,10 +150,11 @@ class TranscriptionService:
             raise ApiError(400, f"{name}: could not decode the audio ({type(exc).__name__})", param=param,
                            code="invalid_audio") from None
 
-    def submit(self, audio, options: dict) -> Future:
-        """`engine.submit`; the caller's admission slot is then held until the Future is done."""
+    async def submit(self, audio, options: dict) -> Future:
+        """`engine.submit` in a worker thread (it may compute the log-mel before queueing); the
+        caller's admission slot is then held until the Future is done."""
         try:
-            future = self.engine.submit(audio, **options)
+            future = await run_in_threadpool(self.engine.submit, audio, **options)
         except ValueError as exc:
             self.admission.release()
             raise ApiError(400, str(exc), code="invalid_request") from None
@@ -185,7 +186,7 @@ class TranscriptionService:
             gone.cancel()
             if pending:
                 for f in futures:
-                    f.cancel()  # a queued request never runs; a running one finishes unseen
+                    f.cancel()  # a queued request never runs; a running one is abandoned if the engine can
                 for w in pending:
                     w.add_done_callback(_discard_outcome)
         if pending:
@@ -195,6 +196,8 @@ class TranscriptionService:
             if w.cancelled():
                 raise ApiError(503, "the transcription was cancelled", code="cancelled")
             exc = w.exception()
+            if isinstance(exc, (asyncio.CancelledError, CancelledError)):  # the engine gave it up
+                raise ApiError(503, "the transcription was cancelled", code="cancelled")
             if isinstance(exc, ValueError):
                 raise ApiError(400, str(exc), code="invalid_request")
             if exc is not None:
@@ -211,7 +214,7 @@ class TranscriptionService:
         except BaseException:
             self.admission.release()
             raise
-        [result] = await self.wait(request, [self.submit(audio, options)])
+        [result] = await self.wait(request, [await self.submit(audio, options)])
         return self.respond(result, fields, task)
 
     # ------------------------------------------------------------ responses
@@ -308,7 +311,7 @@ def create_app(engine, *, max_queue: int = 64, max_upload_mb: float = 25.0, mode
         futures = []
         for i, audio in enumerate(audios):
             try:
-                futures.append(service.submit(audio, decode_options))
+                futures.append(await service.submit(audio, decode_options))
             except BaseException:
                 service.admission.release(len(file) - i - 1)  # submit released this file's own slot
                 for f in futures:
