@@ -200,3 +200,50 @@ def _hz_to_mel(hz: torch.Tensor) -> torch.Tensor:
 def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
     log_part = _MIN_LOG_HZ * torch.exp(_LOG_STEP * (mel - _MIN_LOG_MEL))
     return torch.where(mel >= _MIN_LOG_MEL, log_part, 200.0 * mel / 3.0)
+
+
+def decode_audio_bytes(data: bytes, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
+    """Decode an uploaded file's bytes (any container/codec FFmpeg knows) with PyAV to float32
+    mono samples at `sr`, as faster-whisper does. Channels are averaged after resampling, as
+    `load_audio` and the `ffmpeg -ac 1` CLI do (PyAV's own mono downmix keeps 0.707 of each).
+
+    Raises ValueError naming the problem for empty, truncated, corrupt or non-audio data, and
+    for audio longer than `max_seconds` (decoding stops there, so a tiny file cannot expand
+    into gigabytes of samples). Blocking and CPU-bound: servers call it off their event loop.
+    """
+    import av  # the server extra; imported here so the core package does not need it
+
+    data = bytes(data)
+    if not data:
+        raise ValueError("the audio file is empty (0 bytes)")
+    limit = None if max_seconds is None else int(max_seconds * sr)
+    chunks, n = [], 0
+    try:
+        with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
+            if not container.streams.audio:
+                raise ValueError(f"the file ({container.format.name}) contains no audio stream")
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp", rate=sr)  # planar, channels kept
+            for packet in container.demux(stream):
+                for frame in packet.decode():  # the demuxer's last, empty packet flushes the decoder
+                    for out in resampler.resample(frame):
+                        chunks.append(out.to_ndarray().mean(axis=0))  # [channels, n] -> [n]
+                        n += chunks[-1].size
+                    if limit is not None and n > limit:
+                        raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
+            for out in resampler.resample(None):  # flush the resampler's delay line
+                chunks.append(out.to_ndarray().mean(axis=0))
+                n += chunks[-1].size
+    except av.error.FFmpegError as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ValueError(f"could not decode the audio (not an audio file, or truncated/corrupt): {reason}") from None
+    except (UnicodeDecodeError, OverflowError, MemoryError) as exc:  # odd metadata or sizes PyAV trips on
+        raise ValueError(f"could not decode the audio: {type(exc).__name__}: {exc}") from None
+    if n == 0:
+        raise ValueError("the file contains no decodable audio samples (empty or truncated)")
+    samples = np.concatenate(chunks).astype(np.float32, copy=False)
+    if limit is not None and samples.size > limit:
+        raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
+    if not np.isfinite(samples).all():
+        raise ValueError("the decoded audio contains non-finite samples (NaN or inf)")
+    return samples

@@ -1,4 +1,4 @@
-"""Command line: `specwhisper transcribe | demo | fetch | convert`."""
+"""Command line: `specwhisper transcribe | demo | fetch | convert | serve`."""
 from __future__ import annotations
 
 import argparse
@@ -93,6 +93,30 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible HTTP server (needs the `server` extra: pip install -e ".[server]")."""
+    import inspect
+
+    import torch
+    import uvicorn
+
+    from . import Engine
+    from .server import create_app
+
+    engine_options = {}
+    if args.max_batch is not None:
+        if "max_batch" not in inspect.signature(Engine).parameters:
+            raise SystemExit("--max-batch is not supported by this engine yet")
+        engine_options["max_batch"] = args.max_batch
+    engine = Engine(model_folder(args.target), model_folder(args.draft) if args.draft else None,
+                    device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                    **engine_options)
+    app = create_app(engine, max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
+                     model_name=args.model_name or Path(args.target).name, max_new_tokens=args.max_new_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="specwhisper", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -128,6 +152,21 @@ def main(argv=None) -> int:
     c.add_argument("ct2_dir", type=Path)
     c.add_argument("out_dir", type=Path)
     c.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (POST /v1/audio/transcriptions, ...)")
+    s.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
+    s.add_argument("--draft", help="draft model folder (speculative decoding)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--device", default=None)
+    s.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    s.add_argument("--max-batch", type=int, default=None, help="rows the engine decodes together")
+    s.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    s.add_argument("--max-upload-mb", type=float, default=25.0, help="larger request bodies get 413")
+    s.add_argument("--max-new-tokens", type=int, default=None, help="per-request token cap")
+    s.add_argument("--model-name", default=None, help="name in /v1/models (default: the target's)")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
 
     args = p.parse_args(argv)
     return args.func(args)

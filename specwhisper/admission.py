@@ -1,0 +1,136 @@
+"""Load and size limits of the HTTP server: `Admission` bounds the requests in flight (429 past
+it), `UploadGuard` is the outermost ASGI layer (413 for oversized bodies, an early 429 before an
+upload is read, request metrics by route and status)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+from .api_errors import ApiError, error_response
+
+RETRY_AFTER_SECONDS = 1
+
+
+class Admission:
+    """Admitted requests, bounded; released from engine threads when a request's Future is done.
+    Also tracks live Futures so metrics can tell queued from running transcriptions."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count = 0
+        self._futures: set[Future] = set()
+        self._lock = threading.Lock()
+
+    def try_acquire(self, n: int = 1) -> bool:
+        with self._lock:
+            if self.count + n > self.limit:
+                return False
+            self.count += n
+            return True
+
+    def release(self, n: int = 1) -> None:
+        with self._lock:
+            self.count -= n
+
+    def full(self) -> bool:
+        return self.count >= self.limit
+
+    def busy_error(self) -> ApiError:
+        return ApiError(429, f"the server is at its limit of {self.limit} requests in flight; retry later",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def hold_until_done(self, future: Future) -> None:
+        """One acquired slot stays taken until the engine is done with `future` (or it is cancelled)."""
+        with self._lock:
+            self._futures.add(future)
+
+        def done(f):
+            with self._lock:
+                self._futures.discard(f)
+                self.count -= 1
+        future.add_done_callback(done)  # runs at once (outside the lock) if already done
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(not f.running() and not f.done() for f in self._futures)
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(f.running() for f in self._futures)
+
+
+class UploadGuard:
+    """Pure-ASGI middleware: 413 for bodies over `max_upload_bytes` (at once from Content-Length,
+    and counted while chunked uploads stream), 429 for POSTs to `audio_routes` while `admission`
+    is full (before their upload is read), and `metrics.observe_request` for every request."""
+
+    def __init__(self, app, admission: Admission, metrics, max_upload_bytes: int,
+                 audio_routes: tuple, known_routes: tuple):
+        self.app, self.admission, self.metrics = app, admission, metrics
+        self.max_upload_bytes, self.audio_routes, self.known_routes = max_upload_bytes, audio_routes, known_routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = route_path(scope)
+        status, started = 500, time.perf_counter()
+
+        async def send_observed(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self.refusal(scope, path)
+            if refusal is not None:
+                return await refusal(scope, receive, send_observed)
+            await self.app(scope, self.limited(receive), send_observed)
+        finally:
+            self.metrics.observe_request(path if path in self.known_routes else "other", status,
+                                         time.perf_counter() - started)
+
+    def too_large(self, what: str) -> ApiError:
+        mb = self.max_upload_bytes / 2**20
+        return ApiError(413, f"{what}; this server accepts at most {self.max_upload_bytes} bytes ({mb:g} MB)",
+                        param="file", code="file_too_large", headers={"Connection": "close"})
+
+    def refusal(self, scope, path: str):
+        length = content_length(scope)
+        if length is not None and length > self.max_upload_bytes:
+            e = self.too_large(f"the request body is {length} bytes")
+        elif scope["method"] == "POST" and path in self.audio_routes and self.admission.full():
+            e = self.admission.busy_error()
+        else:
+            return None
+        return error_response(e.status_code, e.message, e.param, e.code, {**e.headers, "Connection": "close"})
+
+    def limited(self, receive):
+        total = 0
+
+        async def receive_limited():
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > self.max_upload_bytes:
+                    raise self.too_large(f"the request body exceeds {self.max_upload_bytes} bytes")
+            return message
+        return receive_limited
+
+
+def route_path(scope) -> str:
+    """The path inside this app (a mounted app sees its mount prefix in root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+def content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,363 @@
+"""OpenAI-compatible HTTP API over an `Engine`: `create_app(engine) -> FastAPI`.
+
+Routes: `POST /v1/audio/transcriptions`, `POST /v1/audio/translations` (OpenAI's multipart fields,
+plus `top_p`, `seed`, `num_draft_tokens`, `stream`), `GET /v1/models`, `GET /health`, `GET /metrics`
+(Prometheus), and the simple `POST /transcribe` (one or more `file` fields -> texts).
+
+A request's life: the guard middleware refuses bodies over the upload limit (413) and, when the
+server is full, audio requests before their upload is read (429); the form is validated (OpenAI
+error shape, 400/422); the upload is decoded by PyAV in a worker thread; the waveform goes to
+`engine.submit`, whose scheduler batches concurrent requests; the handler awaits the Future while
+watching the connection, and cancels a request whose client left before it started. The server
+only calls the engine's public API, so it embeds anywhere an Engine does.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from . import __version__
+from .admission import Admission, UploadGuard
+from .api_errors import ApiError, error_responses, install_error_handlers
+from .audio import decode_audio_bytes
+from .formats import render, to_verbose_json
+from .server_metrics import ServerMetrics
+
+log = logging.getLogger("specwhisper.server")
+
+ResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
+AUDIO_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations", "/transcribe")
+ROUTES = (*AUDIO_ROUTES, "/v1/models", "/health", "/metrics", "/openapi.json", "/docs")
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_queue: int = 64  # admitted requests (audio decoding, queued, decoding); more get 429
+    max_upload_mb: float = 25.0  # request body limit in MB (OpenAI's file limit); larger gets 413
+    model_name: str = "specwhisper"  # the model /v1/models lists and responses echo (`openai-model`)
+    max_new_tokens: int | None = None  # per-request token cap passed to the engine (None: its default)
+    max_audio_seconds: float = 7200.0  # longest audio decoded; a small compressed file can expand a lot
+
+    def __post_init__(self):
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not self.max_upload_mb > 0:
+            raise ValueError(f"max_upload_mb must be > 0, got {self.max_upload_mb}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds}")
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)
+
+
+@dataclass
+class CommonFields:
+    """Form fields shared by transcriptions and translations."""
+
+    file: UploadFile
+    model: str | None
+    prompt: str | None
+    response_format: str
+    temperature: float
+    top_p: float
+    seed: int | None
+    num_draft_tokens: int | None
+    stream: bool
+
+
+def common_fields(
+    file: Annotated[UploadFile, File(description="audio in any format FFmpeg decodes (wav, mp3, flac, m4a, ...)")],
+    model: Annotated[str | None, Form(description="accepted and ignored: the served model answers")] = None,
+    prompt: Annotated[str | None, Form(description="text to condition on; 400 until the engine takes "
+                                                   "initial_prompt")] = None,
+    response_format: Annotated[ResponseFormat, Form()] = "json",
+    temperature: Annotated[float, Form(ge=0.0, le=1.0)] = 0.0,
+    top_p: Annotated[float, Form(gt=0.0, le=1.0, description="nucleus mass when sampling (extension)")] = 1.0,
+    seed: Annotated[int | None, Form(ge=0, le=MAX_SEED, description="sampling seed (extension)")] = None,
+    num_draft_tokens: Annotated[int | None, Form(ge=1, le=16, description="draft tokens per verify pass; "
+                                                 "unset: adaptive (extension)")] = None,
+    stream: Annotated[bool, Form(description="server-sent events: transcript.text.delta per finished segment, "
+                                             "then transcript.text.done")] = False,
+) -> CommonFields:
+    return CommonFields(file, model, prompt, response_format, temperature, top_p, seed, num_draft_tokens, stream)
+
+
+class TranscriptionService:
+    """What the routes do, over one engine: validate, admit, decode audio, submit, wait, render."""
+
+    def __init__(self, engine, options: ServerOptions):
+        self.engine = engine
+        self.options = options
+        self.admission = Admission(options.max_queue)
+        self.metrics = ServerMetrics(lambda: self.admission.count, self.admission.waiting, self.admission.running)
+        self.accepts_prompt = "initial_prompt" in inspect.signature(engine.transcribe).parameters
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ validation
+    def decode_options(self, fields: CommonFields | None, task: str, language: str | None) -> dict:
+        tokenizer = self.engine.target.tokenizer
+        if task == "translate" and not tokenizer.multilingual:
+            raise ApiError(400, f"{self.options.model_name} is English-only and cannot translate",
+                           code="unsupported_task")
+        if language is not None and language.strip():
+            code = language.strip().lower()
+            known = tokenizer.languages if tokenizer.multilingual else {"en": None}
+            if code not in known:
+                raise ApiError(400, f"unknown or unsupported language {language!r}; {self.options.model_name} "
+                               f"knows: {', '.join(known)}", param="language", code="unsupported_language")
+            language = code
+        else:
+            language = None
+        options = dict(language=language, task=task, max_new_tokens=self.options.max_new_tokens)
+        if fields is not None:
+            options.update(temperature=fields.temperature, top_p=fields.top_p, seed=fields.seed,
+                           num_draft_tokens=fields.num_draft_tokens)
+            if fields.prompt:
+                if not self.accepts_prompt:
+                    raise ApiError(400, "prompt is not supported yet (the engine has no initial_prompt)",
+                                   param="prompt", code="unsupported_parameter")
+                options["initial_prompt"] = fields.prompt
+        return options
+
+    # ------------------------------------------------------------ the work
+    async def read_audio(self, upload: UploadFile, param: str = "file"):
+        data = await upload.read()
+        name = upload.filename or param
+        try:
+            return await run_in_threadpool(decode_audio_bytes, data, max_seconds=self.options.max_audio_seconds)
+        except ValueError as exc:
+            raise ApiError(400, f"{name}: {exc}", param=param, code="invalid_audio") from None
+        except Exception as exc:  # whatever FFmpeg trips on in hostile input is the input's fault
+            log.warning("audio decode failed for %s: %r", name, exc)
+            raise ApiError(400, f"{name}: could not decode the audio ({type(exc).__name__})", param=param,
+                           code="invalid_audio") from None
+
+    async def submit(self, audio, options: dict) -> Future:
+        """`engine.submit` in a worker thread (it may compute the log-mel before queueing); the
+        caller's admission slot is then held until the Future is done."""
+        try:
+            future = await run_in_threadpool(self.engine.submit, audio, **options)
+        except ValueError as exc:
+            self.admission.release()
+            raise ApiError(400, str(exc), code="invalid_request") from None
+        except BaseException:
+            self.admission.release()
+            raise
+        self.admission.hold_until_done(future)
+        future.add_done_callback(self._observe)
+        return future
+
+    def _observe(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            try:
+                self.metrics.observe_result(future.result())
+            except Exception:  # metrics never fail a request
+                log.exception("metrics update failed")
+
+    async def wait(self, request: Request, futures: list[Future]) -> list:
+        """The Futures' results, or ApiError: 400 for the engine's ValueErrors, 499 (and the
+        queued ones cancelled) when the client disconnects first."""
+        waiters = [asyncio.wrap_future(f) for f in futures]
+        gone = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+        pending = set(waiters)
+        try:
+            while pending and not gone.done():  # at most len(futures) + 1 rounds
+                done, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+        finally:
+            gone.cancel()
+            if pending:
+                for f in futures:
+                    f.cancel()  # a queued request never runs; a running one is abandoned if the engine can
+                for w in pending:
+                    w.add_done_callback(_discard_outcome)
+        if pending:
+            raise ApiError(499, "the client closed the request", code="client_disconnected")
+        results = []
+        for w in waiters:
+            if w.cancelled():
+                raise ApiError(503, "the transcription was cancelled", code="cancelled")
+            exc = w.exception()
+            if isinstance(exc, (asyncio.CancelledError, CancelledError)):  # the engine gave it up
+                raise ApiError(503, "the transcription was cancelled", code="cancelled")
+            if isinstance(exc, ValueError):
+                raise ApiError(400, str(exc), code="invalid_request")
+            if exc is not None:
+                raise exc
+            results.append(w.result())
+        return results
+
+    async def transcribe(self, request: Request, fields: CommonFields, task: str, language: str | None):
+        options = self.decode_options(fields, task, language)
+        if not self.admission.try_acquire():
+            raise self.admission.busy_error()
+        try:
+            audio = await self.read_audio(fields.file)
+        except BaseException:
+            self.admission.release()
+            raise
+        [result] = await self.wait(request, [await self.submit(audio, options)])
+        return self.respond(result, fields, task)
+
+    # ------------------------------------------------------------ responses
+    def respond(self, result, fields: CommonFields, task: str) -> Response:
+        headers = {"openai-model": self.options.model_name}
+        if fields.stream:
+            return StreamingResponse(_sse_events(result, task), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        fmt = fields.response_format
+        if fmt == "json":
+            return JSONResponse({"text": result.text}, headers=headers)
+        if fmt == "verbose_json":
+            return JSONResponse(to_verbose_json(result, task), headers=headers)
+        return PlainTextResponse(render(result, "txt" if fmt == "text" else fmt, task), headers=headers)
+
+
+def _sse_events(result, task: str):
+    """OpenAI's streaming transcription events: `transcript.text.delta` per finished segment
+    (with the segment itself), then `transcript.text.done` with the whole text."""
+    for segment in result.segments:
+        event = {"type": "transcript.text.delta", "delta": segment.text, "segment": segment.to_dict()}
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    done = {"type": "transcript.text.done", "text": result.text, "task": task,
+            "language": to_verbose_json(result, task)["language"], "duration": result.duration}
+    yield f"data: {json.dumps(done, ensure_ascii=False)}\n\n"
+
+
+async def _wait_for_disconnect(receive) -> None:
+    """Returns when the client disconnects. Called once the body is read, so only
+    `http.disconnect` (or, from some servers, trailing empty body messages) can arrive."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.01)  # never a busy loop, whatever the ASGI server hands back
+
+
+def _discard_outcome(waiter: asyncio.Future) -> None:
+    if not waiter.cancelled():
+        waiter.exception()  # retrieved, so asyncio does not log "exception never retrieved"
+
+
+def create_app(engine, *, max_queue: int = 64, max_upload_mb: float = 25.0, model_name: str | None = None,
+               max_new_tokens: int | None = None, max_audio_seconds: float = 7200.0) -> FastAPI:
+    """The ASGI app serving `engine` (see the module docstring). Mount it in another FastAPI or
+    Starlette app (`outer.mount("/asr", create_app(engine))`) or run it with uvicorn. The app owns
+    no engine resources; `app.state.engine` and `app.state.metrics` give them back."""
+    if model_name is None:
+        model_name = Path(str(getattr(getattr(engine, "target", None), "path", "specwhisper"))).name
+    options = ServerOptions(max_queue, max_upload_mb, model_name, max_new_tokens, max_audio_seconds)
+    service = TranscriptionService(engine, options)
+    app = FastAPI(title="specwhisper", version=__version__,
+                  description="OpenAI-compatible speech-to-text over an exact speculative Whisper engine")
+    app.state.engine, app.state.metrics, app.state.service = engine, service.metrics, service
+    install_error_handlers(app)
+    app.add_middleware(UploadGuard, admission=service.admission, metrics=service.metrics,
+                       max_upload_bytes=options.max_upload_bytes, audio_routes=AUDIO_ROUTES, known_routes=ROUTES)
+    errors = error_responses(400, 413, 422, 429)
+
+    @app.post("/v1/audio/transcriptions", responses=errors, summary="Transcribe audio (OpenAI-compatible)")
+    async def transcriptions(
+        request: Request,
+        fields: Annotated[CommonFields, Depends(common_fields)],
+        language: Annotated[str | None, Form(description="ISO-639-1 code; unset: detected")] = None,
+        timestamp_granularities: Annotated[list[Literal["segment", "word"]] | None,
+                                           Form(alias="timestamp_granularities[]")] = None,
+    ):
+        if timestamp_granularities and "word" in timestamp_granularities:
+            raise ApiError(400, "word timestamps are not supported yet; use timestamp_granularities[]=segment",
+                           param="timestamp_granularities[]", code="unsupported_value")
+        return await service.transcribe(request, fields, "transcribe", language)
+
+    @app.post("/v1/audio/translations", responses=errors, summary="Translate audio to English text")
+    async def translations(request: Request, fields: Annotated[CommonFields, Depends(common_fields)]):
+        return await service.transcribe(request, fields, "translate", None)
+
+    @app.post("/transcribe", responses=errors, summary="Transcribe one or more files: {text: [...], duration}")
+    async def transcribe_files(
+        request: Request,
+        file: Annotated[list[UploadFile], File(description="one or more audio files")],
+        language: Annotated[str | None, Form(description="ISO-639-1 code; unset: detected")] = None,
+    ):
+        started = time.perf_counter()
+        if not 1 <= len(file) <= options.max_queue:
+            raise ApiError(400, f"send 1..{options.max_queue} files, got {len(file)}", param="file")
+        decode_options = service.decode_options(None, "transcribe", language)
+        if not service.admission.try_acquire(len(file)):
+            raise service.admission.busy_error()
+        try:
+            audios = await asyncio.gather(*(service.read_audio(f, f"file[{i}]") for i, f in enumerate(file)))
+        except BaseException:
+            service.admission.release(len(file))
+            raise
+        futures = []
+        for i, audio in enumerate(audios):
+            try:
+                futures.append(await service.submit(audio, decode_options))
+            except BaseException:
+                service.admission.release(len(file) - i - 1)  # submit released this file's own slot
+                for f in futures:
+                    f.cancel()
+                raise
+        results = await service.wait(request, futures)
+        return {"text": [r.text for r in results], "duration": time.perf_counter() - started}
+
+    @app.get("/v1/models", summary="The served model")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": service.created,
+                                            "owned_by": "specwhisper"}]}
+
+    @app.get("/health", summary="Liveness and load")
+    async def health():
+        return {"status": "ok", "model": model_name, "in_flight": service.admission.count,
+                "max_queue": options.max_queue}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0):
+    """Run `app` with uvicorn in a background thread -> its base URL ("http://127.0.0.1:PORT");
+    port 0 picks a free port. Stops the server on exit (tests, benchmarks, notebooks)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="specwhisper-uvicorn")
+    thread.start()
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {host}:{sock.getsockname()[1]}")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
