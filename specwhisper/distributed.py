@@ -37,6 +37,7 @@ AUDIO_EXTENSIONS = frozenset(
     ".wav .flac .mp3 .ogg .oga .opus .m4a .mp4 .aac .webm .mkv .mka .wma .aiff .aif .au .caf .amr "
     ".3gp .mov .avi".split())
 OUTPUT_FORMATS = ("jsonl", "parquet")
+TASK_CPUS = 0.5  # CPUs per decoding / writing task (light next to transcription)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,8 @@ class BulkJob:
             raise ValueError(f"actors must be >= 1, got {self.actors}")
         if self.cpus_per_actor <= 0 or self.batch_size < 1:
             raise ValueError("cpus_per_actor must be > 0 and batch_size >= 1")
-        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda (Ray picks the GPU), got {self.device!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         bad = {"language", "task"} & set(self.decode_options)
@@ -283,18 +284,23 @@ def connect(address: str | None = None) -> None:
     ray.init(address=None if address in (None, "local") else address)
 
 
-def _pool(job: BulkJob) -> tuple[int, float, str | None, int | None]:
+def _pool(job: BulkJob, n_files: int) -> tuple[int, float, str, int | None]:
     """(actors, GPUs per actor, engine device, torch threads per actor) for this cluster."""
     resources = ray.cluster_resources()
     gpus, cpus = int(resources.get("GPU", 0)), float(resources.get("CPU", 1))
-    use_gpu = job.device is not None and job.device.startswith("cuda") or (job.device is None and gpus > 0)
-    if use_gpu:
+    if job.device == "cuda" or (job.device is None and gpus > 0):
         if gpus == 0:
-            raise ValueError(f"device={job.device!r} asks for GPU actors but the Ray cluster has no GPU")
-        return job.actors or gpus, 1.0, job.device or "cuda", None
-    spare = max(cpus - 1, job.cpus_per_actor)  # one CPU stays free for decoding and writing tasks
-    actors = job.actors or max(1, int(spare // job.cpus_per_actor))
-    return actors, 0.0, "cpu", max(1, int(job.cpus_per_actor))
+            raise ValueError("device='cuda' asks for GPU actors but the Ray cluster has no GPU")
+        # Ray gives each actor its own GPU (CUDA_VISIBLE_DEVICES), which the engine sees as "cuda"
+        actors, gpus_per_actor, device, threads = job.actors or gpus, 1.0, "cuda", None
+    else:
+        actors = job.actors or max(1, int((cpus - TASK_CPUS) // job.cpus_per_actor))
+        gpus_per_actor, device, threads = 0.0, "cpu", max(1, round(job.cpus_per_actor))
+    actors = min(actors, n_files)
+    if actors * job.cpus_per_actor + TASK_CPUS > cpus:
+        raise ValueError(f"{actors} actors x {job.cpus_per_actor:g} CPUs leave less than {TASK_CPUS} of the "
+                         f"cluster's {cpus:g} CPUs for decoding files; use fewer actors or CPUs per actor")
+    return actors, gpus_per_actor, device, threads
 
 
 def run_bulk(job: BulkJob, address: str | None = None) -> BulkSummary:
@@ -313,18 +319,18 @@ def run_bulk(job: BulkJob, address: str | None = None) -> BulkSummary:
         return BulkSummary(0, skipped, 0.0, 0.0, [])
 
     connect(address)
-    actors, gpus, device, threads = _pool(job)
+    actors, gpus, device, threads = _pool(job, len(todo))
     start = time.perf_counter()
     ds = ray.data.from_items([{"path": p} for p in todo], override_num_blocks=min(len(todo), 1000))
-    ds = ds.map(decode_file)
+    ds = ds.map(decode_file, num_cpus=TASK_CPUS)
     ds = ds.map_batches(
         Transcriber, batch_size=job.batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=min(actors, len(todo))),
+        compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=gpus, num_cpus=job.cpus_per_actor,
         fn_constructor_kwargs=dict(target=job.target, draft=job.draft, device=device, dtype=job.dtype,
                                    language=job.language, decode_options=job.decode_options,
                                    threads=threads))
-    ds = ds.map_batches(write_results, batch_size=max(16, job.batch_size), batch_format="numpy",
+    ds = ds.map_batches(write_results, batch_size=max(16, job.batch_size), batch_format="numpy", num_cpus=TASK_CPUS,
                         fn_kwargs=dict(out=job.out, output_format=job.output_format))
     audio_seconds, failures = 0.0, []
     for row in ds.iter_rows():

@@ -2,6 +2,7 @@
 record equals `Engine.transcribe` on that file, bad files become failure records, reruns resume."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import threading
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -16,7 +18,8 @@ pytest.importorskip("ray.data")
 from conftest import real_folder  # noqa: E402
 from specwhisper import Engine, load_audio  # noqa: E402
 from specwhisper.cli import main  # noqa: E402
-from specwhisper.distributed import BulkJob, read_results, run_bulk  # noqa: E402
+from specwhisper.distributed import (BulkJob, Transcriber, _write_part, decode_file, list_audio,  # noqa: E402
+                                     read_results, run_bulk)
 from specwhisper.samples import sample_paths  # noqa: E402
 
 SENTENCES = ["The bus leaves at noon.", "Please close the window.", "It will rain tomorrow.",
@@ -77,6 +80,72 @@ def speech_folder(tmp_path):
     (folder / "empty.flac").write_bytes(b"")
     (folder / "notes.txt").write_text("not audio: ignored when a folder is searched")
     return folder
+
+
+def test_list_audio_folder_glob_file_and_uri(tmp_path):
+    for name in ("a.wav", "sub/b.FLAC", "sub/deep/c.mp3", "notes.txt", "d.wav.tmp"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    audio = [str(tmp_path / n) for n in ("a.wav", "sub/b.FLAC", "sub/deep/c.mp3")]
+    assert list_audio(str(tmp_path)) == sorted(audio)
+    assert list_audio(str(tmp_path / "**" / "*.txt")) == [str(tmp_path / "notes.txt")]  # a glob takes any file
+    assert list_audio(str(tmp_path / "a.wav")) == [audio[0]]
+    assert list_audio(f"file://{tmp_path}") == sorted(f"file://{p}" for p in audio)
+    with pytest.raises(FileNotFoundError, match="no such"):
+        list_audio(str(tmp_path / "missing"))
+
+
+def test_decode_file_records_bad_files_and_reads_uris(tmp_path):
+    good = sample_paths()[0]
+    (tmp_path / "garbage.wav").write_bytes(np.random.default_rng(1).bytes(2000))
+    (tmp_path / "empty.wav").write_bytes(b"")
+    header_only = tmp_path / "silent.wav"  # a valid WAV with no samples
+    soundfile.write(header_only, np.zeros(0, np.float32), 16000)
+    row = decode_file({"path": f"file://{good}"})
+    assert row["error"] == "" and np.array_equal(np.frombuffer(row["audio"], np.float32), load_audio(good))
+    assert row["seconds"] == len(load_audio(good)) / 16000
+    for name, reason in (("garbage.wav", "decode"), ("empty.wav", "decode"), ("silent.wav", "empty")):
+        row = decode_file({"path": str(tmp_path / name)})
+        assert reason in row["error"] and row["audio"] == b"", row
+    assert "FileNotFoundError" in decode_file({"path": str(tmp_path / "gone.wav")})["error"]
+
+
+def test_transcriber_turns_engine_errors_into_records(multilingual):
+    transcriber = Transcriber(str(multilingual), None, "cpu", None, "en", OPTIONS, threads=None)
+    good = load_audio(sample_paths()[0])
+    batch = {"path": np.array(["good", "nan", "undecodable"], dtype=object),
+             "audio": np.array([good.tobytes(), np.full(800, np.nan, np.float32).tobytes(), b""], dtype=object),
+             "seconds": np.array([len(good) / 16000, 0.05, 0.0]),
+             "error": np.array(["", "", "RuntimeError: cannot decode"], dtype=object)}
+    records = [json.loads(r) for r in transcriber(batch)["record"]]
+    ref = Engine(str(multilingual)).transcribe(good, language="en", **OPTIONS)
+    assert records[0]["error"] is None and records[0]["text"] == ref.text
+    assert records[1]["error"].startswith("ValueError") and "NaN" in records[1]["error"]
+    assert records[2]["error"] == "RuntimeError: cannot decode" and records[2]["segments"] == []
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_results_round_trip_and_success_wins(tmp_path, fmt):
+    ok = {"path": "/a.wav", "text": "hi", "language": "en", "duration": 1.5, "error": None,
+          "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": 1.5, "text": "hi", "tokens": [1, 2],
+                        "temperature": 0.0, "avg_logprob": -0.1, "compression_ratio": 1.0, "no_speech_prob": 0.0}],
+          "stats": {"drafted": 3, "accepted": 2, "target_passes": 2, "draft_passes": 3, "acceptance_rate": 2 / 3,
+                    "tokens_per_pass": 1.5, "seconds": 0.25, "draft_skipped": None}}
+    bad = {"path": "/b.wav", "text": "", "segments": [], "language": None, "duration": 0.0, "stats": None,
+           "error": "RuntimeError: cannot decode"}
+    _write_part([ok, bad], str(tmp_path), fmt)
+    _write_part([{**bad, "path": "/a.wav"}], str(tmp_path), fmt)  # a later failure never hides a success
+    assert sorted(read_results(str(tmp_path)), key=lambda r: r["path"]) == [ok, bad]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_job_validation():
+    with pytest.raises(ValueError, match="output_format"):
+        BulkJob("in", "out", "t", output_format="csv")
+    with pytest.raises(ValueError, match="device"):
+        BulkJob("in", "out", "t", device="cuda:1")
+    with pytest.raises(ValueError, match="job fields"):
+        BulkJob("in", "out", "t", decode_options={"language": "en"})
 
 
 def check_equal_to_engine(records: dict, paths, engine: Engine) -> None:
