@@ -67,9 +67,8 @@ class BulkJob:
             raise ValueError(f"device must be cpu or cuda (Ray picks the GPU), got {self.device!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        bad = {"language", "task"} & set(self.decode_options)
-        if bad:
-            raise ValueError(f"decode_options must not repeat {sorted(bad)}: they are job fields")
+        if "language" in self.decode_options:
+            raise ValueError("decode_options must not repeat language: it is a job field")
 
 
 @dataclasses.dataclass
@@ -85,11 +84,13 @@ class BulkSummary:
         """Seconds of audio transcribed per second of wall time."""
         return self.audio_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
-    def format(self) -> str:
+    def format(self, max_failures: int = 50) -> str:
         lines = [f"{self.files} files ({self.skipped} skipped, already done), "
                  f"{self.audio_seconds / 3600:.4f} h of audio in {self.wall_seconds:.1f} s: "
                  f"RTFx {self.rtfx:.2f}; {len(self.failures)} failed"]
-        lines += [f"  failed: {path}: {reason}" for path, reason in self.failures]
+        lines += [f"  failed: {path}: {reason}" for path, reason in self.failures[:max_failures]]
+        if len(self.failures) > max_failures:
+            lines.append(f"  ... and {len(self.failures) - max_failures} more (records with an error)")
         return "\n".join(lines)
 
 

@@ -144,7 +144,7 @@ def test_job_validation():
         BulkJob("in", "out", "t", output_format="csv")
     with pytest.raises(ValueError, match="device"):
         BulkJob("in", "out", "t", device="cuda:1")
-    with pytest.raises(ValueError, match="job fields"):
+    with pytest.raises(ValueError, match="job field"):
         BulkJob("in", "out", "t", decode_options={"language": "en"})
 
 
