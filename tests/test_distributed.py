@@ -18,8 +18,8 @@ pytest.importorskip("ray.data")
 from conftest import real_folder  # noqa: E402
 from specwhisper import Engine, load_audio  # noqa: E402
 from specwhisper.cli import main  # noqa: E402
-from specwhisper.distributed import (BulkJob, Transcriber, _write_part, decode_file, list_audio,  # noqa: E402
-                                     read_results, run_bulk)
+from specwhisper.distributed import (BulkJob, Transcriber, _pool, _write_part, decode_file,  # noqa: E402
+                                     list_audio, read_results, run_bulk)
 from specwhisper.samples import sample_paths  # noqa: E402
 
 SENTENCES = ["The bus leaves at noon.", "Please close the window.", "It will rain tomorrow.",
@@ -146,6 +146,22 @@ def test_job_validation():
         BulkJob("in", "out", "t", device="cuda:1")
     with pytest.raises(ValueError, match="job field"):
         BulkJob("in", "out", "t", decode_options={"language": "en"})
+
+
+def test_actor_pool_shape_follows_the_cluster(monkeypatch):
+    def cluster(**resources):
+        monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
+
+    cluster(CPU=64.0, GPU=4.0)
+    assert _pool(BulkJob("in", "out", "t"), n_files=100) == (4, 1.0, "cuda", None)  # one actor per GPU
+    assert _pool(BulkJob("in", "out", "t"), n_files=3) == (3, 1.0, "cuda", None)  # never more than files
+    assert _pool(BulkJob("in", "out", "t", device="cpu", cpus_per_actor=8), n_files=100) == (7, 0.0, "cpu", 8)
+    cluster(CPU=2.0)
+    assert _pool(BulkJob("in", "out", "t", cpus_per_actor=1.5), n_files=10) == (1, 0.0, "cpu", 2)
+    with pytest.raises(ValueError, match="no GPU"):
+        _pool(BulkJob("in", "out", "t", device="cuda"), n_files=10)
+    with pytest.raises(ValueError, match="for decoding files"):
+        _pool(BulkJob("in", "out", "t", actors=2, cpus_per_actor=1.0), n_files=10)
 
 
 def check_equal_to_engine(records: dict, paths, engine: Engine) -> None:
