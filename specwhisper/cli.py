@@ -127,7 +127,7 @@ def add_bulk_parser(sub) -> None:
     b.add_argument("--language", help="language code (default: detect per file)")
     b.add_argument("--k", type=int, default=None, help="draft tokens per verify pass (default: adaptive)")
     b.add_argument("--max-new-tokens", type=int, default=None)
-    b.add_argument("--device", default=None, help="cuda or cpu (default: GPU actors if the cluster has GPUs)")
+    b.add_argument("--device", choices=["cuda", "cpu"], help="default: GPU actors if the cluster has GPUs")
     b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     b.set_defaults(func=cmd_bulk)
 

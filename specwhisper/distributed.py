@@ -243,13 +243,16 @@ class Transcriber:
         self.language, self.decode_options = language, dict(decode_options)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        futures = []
+        futures = []  # all submitted before any is awaited: a batching engine decodes them together
         for audio, error in zip(batch["audio"], batch["error"]):
             if error:
                 futures.append(None)
                 continue
             samples = np.frombuffer(audio, dtype=np.float32).copy()
-            futures.append(self.engine.submit(samples, language=self.language, **self.decode_options))
+            try:
+                futures.append(self.engine.submit(samples, language=self.language, **self.decode_options))
+            except Exception as e:  # refused up front
+                futures.append(e)
         records = []
         for path, seconds, error, future in zip(batch["path"], batch["seconds"], batch["error"], futures):
             path = str(path)
@@ -257,6 +260,8 @@ class Transcriber:
                 records.append(_failure(path, str(error)))
                 continue
             try:
+                if isinstance(future, Exception):
+                    raise future
                 out = future.result()
                 records.append({"path": path, "text": out.text, "segments": [s.to_dict() for s in out.segments],
                                 "language": out.language, "duration": out.duration,
@@ -331,8 +336,8 @@ def run_bulk(job: BulkJob, address: str | None = None) -> BulkSummary:
         fn_constructor_kwargs=dict(target=job.target, draft=job.draft, device=device, dtype=job.dtype,
                                    language=job.language, decode_options=job.decode_options,
                                    threads=threads))
-    ds = ds.map_batches(write_results, batch_size=max(16, job.batch_size), batch_format="numpy", num_cpus=TASK_CPUS,
-                        fn_kwargs=dict(out=job.out, output_format=job.output_format))
+    ds = ds.map_batches(write_results, batch_size=max(16, job.batch_size), batch_format="numpy",
+                        num_cpus=TASK_CPUS, fn_kwargs=dict(out=job.out, output_format=job.output_format))
     audio_seconds, failures = 0.0, []
     for row in ds.iter_rows():
         audio_seconds += float(row["duration"])
