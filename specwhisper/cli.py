@@ -1,4 +1,4 @@
-"""Command line: `specwhisper transcribe | demo | fetch | convert | serve`."""
+"""Command line: `specwhisper transcribe | demo | fetch | convert | serve | bulk`."""
 from __future__ import annotations
 
 import argparse
@@ -117,6 +117,45 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bulk(args) -> int:
+    """Transcribe a folder or glob of audio files on a Ray cluster (see specwhisper/distributed.py)."""
+    try:
+        from .distributed import BulkJob, run_bulk
+    except ImportError as e:
+        print(e, file=sys.stderr)
+        return 2
+    options = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_draft_tokens", args.k))
+               if v is not None}
+    job = BulkJob(args.source, args.out, model_folder(args.target),
+                  model_folder(args.draft) if args.draft else None, language=args.language, device=args.device,
+                  dtype=args.dtype, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
+                  batch_size=args.batch_size, output_format=args.output_format,
+                  retry_failed=args.retry_failed, decode_options=options)
+    print(run_bulk(job, address=args.address).format())
+    return 0
+
+
+def add_bulk_parser(sub) -> None:
+    b = sub.add_parser("bulk", help="transcribe many files on a Ray cluster (needs the [ray] extra)")
+    b.add_argument("source", help="folder (searched recursively), glob, file, or URI (s3://...)")
+    b.add_argument("--out", required=True, help="results folder; files already recorded there are skipped")
+    b.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
+    b.add_argument("--draft", help="draft model folder (speculative decoding)")
+    b.add_argument("--address", default="local",
+                   help="`local` (default): start Ray here; `auto`: join the running cluster; or host:port")
+    b.add_argument("--actors", type=int, default=None, help="engines (default: one per GPU / per CPU share)")
+    b.add_argument("--cpus-per-actor", type=float, default=1.0)
+    b.add_argument("--batch-size", type=int, default=4, help="files per actor call")
+    b.add_argument("--output-format", choices=["jsonl", "parquet"], default="jsonl")
+    b.add_argument("--retry-failed", action="store_true", help="also redo files recorded as failures")
+    b.add_argument("--language", help="language code (default: detect per file)")
+    b.add_argument("--k", type=int, default=None, help="draft tokens per verify pass (default: adaptive)")
+    b.add_argument("--max-new-tokens", type=int, default=None)
+    b.add_argument("--device", choices=["cuda", "cpu"], help="default: GPU actors if the cluster has GPUs")
+    b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    b.set_defaults(func=cmd_bulk)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="specwhisper", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -167,6 +206,7 @@ def main(argv=None) -> int:
     s.add_argument("--model-name", default=None, help="name in /v1/models (default: the target's)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
+    add_bulk_parser(sub)
 
     args = p.parse_args(argv)
     return args.func(args)
