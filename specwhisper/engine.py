@@ -119,8 +119,9 @@ class Engine:
                              f"the decoder cache of {limit} positions")
         frames = min(mel.shape[-1], N_FRAMES)
         futures = []
-        for row in batch:
-            seed = opts.seed if opts.seed is not None else random.getrandbits(62)
+        for i, row in enumerate(batch):
+            # row i of a batch samples with seed + i: rows differ, and each row reproduces
+            seed = opts.seed + i if opts.seed is not None else random.getrandbits(62)
             job = ShortJob(row, frames / FRAMES_PER_SECOND, opts, tok, limit, seed)
             futures.append(self._enqueue(job))
         return single, futures
