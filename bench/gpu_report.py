@@ -98,13 +98,17 @@ def markdown(r: dict) -> str:
     ties = r.get("near_ties")
     if ties:
         rows = [[w, t["positions"], t["flips"], t["flip_rate"], t["last_position_flips"], t["max_abs_logit_diff"],
-                 t["median_top2_gap"], t["gap_within_2x_diff"]] for w, t in ties["by_width"].items()]
+                 t["median_top2_gap"], t["gap_within_2x_diff"], t["padded_flips"], t["padded_max_abs_logit_diff"]]
+                for w, t in ties["by_width"].items()]
         lines += ["## Near ties: verify pass vs single-token steps", "",
                   f"B = {ties['batch']}, {ties['trials']} random prefixes per width, {ties['dtype']}. A flip is a "
                   "position whose argmax differs between one (k+1)-token verify pass and k+1 single-token steps "
-                  "from the same cache.", ""]
+                  "from the same cache: speculative greedy output would differ from target-only greedy there. "
+                  "*Padded*: each single token run instead as a (k+1)-wide pass whose other rows are padding "
+                  "(scratch slot), i.e. target-only decoding on the verify pass's kernel shapes; it costs "
+                  "t_verify(k+1) ÷ t_step per token (see the step table).", ""]
         lines += table(["k+1", "positions", "flips", "rate", "last-position flips", "max |Δlogit|",
-                        "median top-2 gap", "gap ≤ 2·Δ"], rows) + [""]
+                        "median top-2 gap", "gap ≤ 2·Δ", "padded flips", "padded max |Δlogit|"], rows) + [""]
     hf = r.get("hf")
     if hf:
         rows = []
