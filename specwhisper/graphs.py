@@ -89,7 +89,8 @@ class StepGraphs:
         graph.replay()
         return outputs
 
-    def capture(self, keys_in_order: Iterable[Hashable], fn_for_key: Callable[[Hashable], Callable[[], Outputs]]) -> None:
+    def capture(self, keys_in_order: Iterable[Hashable],
+                fn_for_key: Callable[[Hashable], Callable[[], Outputs]]) -> None:
         """Capture the steps `keys_in_order` now, in that order (largest batch bucket first, so
         the smaller graphs fit in the memory the first one reserved). `fn_for_key(key)` returns
         the step function of a key. Nothing runs in eager mode. Capturing a key twice is an error."""
