@@ -1,0 +1,39 @@
+"""The GPU suite's smoke mode on CPU (`bench/gpu_suite.sh OUT --quick`): the scripts a GPU run
+depends on (checkpoint generator, benchmark, report, suite) cannot rot unseen in CI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_suite_quick_runs_on_cpu(tmp_path):
+    out = tmp_path / "suite"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "GPU_SUITE_SECONDS": "900"}
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(out), "--quick"],
+                         capture_output=True, text=True, env=env, timeout=1200)
+    log = run.stdout + run.stderr + "".join(p.read_text()[-3000:] for p in out.glob("*.log"))
+    assert run.returncode == 0, log
+    stages = [row.split("\t") for row in (out / "stages.tsv").read_text().splitlines()]
+    assert [(s[0], s[1]) for s in stages] == [("models", "passed"), ("pytest", "passed"), ("bench", "passed")], log
+
+    results = json.loads((out / "gpu.json").read_text())
+    assert results["errors"] == {} and results["skipped"] == {}, results["errors"] or results["skipped"]
+    for section in ("bandwidth", "steps", "drafts", "accept", "modeled", "near_ties", "e2e", "hf"):
+        assert section in results, section
+    assert results["e2e"]["tiny_draft"].startswith("refused: ") and "mel" in results["e2e"]["tiny_draft"]
+    self_draft = results["e2e"]["systems"]["self-draft k=4"]["1"]
+    assert self_draft["acceptance"] == 1.0 and self_draft["same_tokens_as_target_only"]
+    assert results["near_ties"]["by_width"]["2"]["positions"] > 0
+    assert results["hf"]["eager"]["rows"]["1"]["generated"] == 4  # EOT never wins on these weights
+    for name in ("gpu.md", "gpu.png", "summary.md", "junit-cuda.xml"):
+        assert (out / name).stat().st_size > 0, name
+    summary = (out / "summary.md").read_text()
+    assert "## Goals" in summary and "pytest -m cuda:" in summary
