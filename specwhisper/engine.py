@@ -24,7 +24,7 @@ import torch
 from .config import DecodeOptions, WhisperConfig
 from .decoding import LoadedModel
 from .model import DecoderCache
-from . import sampling
+from . import ops, sampling
 from .draft import DraftLength, Drafter
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 
@@ -157,7 +157,7 @@ class Engine:
             return sampling.greedy_accept_choices(choice, proposals)
         vocab = self.drafter.vocab
         if vocab.identity:
-            return sampling.speculative_sample(target_logits, draft_logits, proposals,
+            return ops.speculative_sample(target_logits, draft_logits, proposals,
                                                opts.temperature, opts.top_p, generator)
         target_probs = sampling.processed_probs(target_logits, opts.temperature, opts.top_p)
         draft_probs = sampling.processed_probs(draft_logits, opts.temperature, opts.top_p)
@@ -169,7 +169,7 @@ class Engine:
         q[..., V] = draft_probs[..., ~ok].sum(-1)
         p = torch.nn.functional.pad(target_probs, (0, 1))
         unspellable = torch.where(proposals >= 0, proposals, V)
-        return sampling.speculative_sample(p.log(), q.log(), unspellable, 1.0, 1.0, generator)
+        return ops.speculative_sample(p.log(), q.log(), unspellable, 1.0, 1.0, generator)
 
     def _detect_language(self, tcache: DecoderCache, batch: int) -> list[str]:
         tok, dec = self.target.tokenizer, self.target.model.decoder
