@@ -50,7 +50,6 @@ WEIGHT_BITS = 36  # weights are integers in [0, 2^WEIGHT_BITS]
 _WEIGHT_SCALE = 2.0 ** WEIGHT_BITS
 _ROUND_MAGIC64 = 2.0 ** 52  # (x + M) - M rounds 0 <= x < 2^52 to the nearest integer in float64
 MAX_VOCAB = 2 ** (53 - WEIGHT_BITS)  # keeps every row sum of weights exact in float64
-TOP_P_ITERS = WEIGHT_BITS  # bisection steps that shrink [1, 2^36 + 1) to one weight value
 
 
 def f32(x: float) -> float:
@@ -173,32 +172,29 @@ def _weights(logits: torch.Tensor, temperature) -> torch.Tensor:
 
 
 def _top_p_threshold(weights: torch.Tensor, top_p) -> torch.Tensor:
-    """Largest integer tau such that the weights >= tau hold at least top_p of the row's mass.
+    """The largest weight value tau such that the weights >= tau hold at least top_p of the row's
+    mass, [..., 1] (1 when no value does, i.e. top_p > 1: every nonzero weight is kept).
 
-    Sort-free bisection over the threshold value, [..., 1]. Invariant: `lo` is feasible (kept
-    mass >= target), `hi` is not; the interval [1, 2^36 + 1) halves every step, so after
-    TOP_P_ITERS steps hi == lo + 1 and lo is tau. The kept set {weights >= tau} is unique, so the
-    kernels may search differently (they snap to weight values and stop early) and still agree.
+    By the definition: rank the weights, accumulate them (exact: integers below 2^53, in any
+    order), and take the weight at the first rank whose running mass reaches the target; tied
+    weights are all kept. The kept set {weights >= tau} is unique, so the kernels may search
+    differently (a sort-free bisection over the threshold value) and still agree.
     """
     total = weights.sum(-1, keepdim=True)  # exact: integers below 2^53
     if isinstance(top_p, torch.Tensor):  # float32, one value per row
         target = total * top_p.double().unsqueeze(-1)
     else:
         target = total * f32(top_p)
-    lo = torch.ones_like(total)  # keeps every nonzero weight: mass == total
-    hi = torch.full_like(total, _WEIGHT_SCALE + 1.0)  # above every weight: keeps nothing
-    for _ in range(TOP_P_ITERS):
-        mid = torch.floor((lo + hi) * 0.5)
-        ok = torch.where(weights >= mid, weights, 0.0).sum(-1, keepdim=True) >= target
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid)
-    return lo
+    ranked = weights.sort(-1, descending=True).values
+    first = torch.searchsorted(ranked.cumsum(-1), target)  # [..., 1] first rank reaching target
+    V = weights.shape[-1]
+    return torch.where(first < V, ranked.gather(-1, first.clamp_max(V - 1)), 1.0)
 
 
 def _probs64(logits: torch.Tensor, temperature, top_p) -> torch.Tensor:
     """Processed probabilities in float64: the values every backend compares. temperature and
-    top_p are floats, or float32 tensors with one value per row (no host sync: the bisection then
-    runs on every row; with top_p >= 1 it keeps every nonzero weight, as skipping it would)."""
+    top_p are floats, or float32 tensors with one value per row (no host sync: the threshold is
+    then found on every row; with top_p >= 1 it keeps every nonzero weight, as skipping it would)."""
     weights = _weights(logits, temperature)
     if isinstance(top_p, torch.Tensor) or top_p < 1.0:
         weights = torch.where(weights >= _top_p_threshold(weights, top_p), weights, 0.0)
