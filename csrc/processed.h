@@ -193,19 +193,14 @@ inline RowKey row_key(int64_t seed, int64_t position) {
   return {key, fmix32(key ^ kKeyB)};
 }
 
-// -log(u), u in [2^-24, 1): Cephes logf as a fixed sequence of fp32 operations.
+// -log(u), u in [2^-24, 1): Cephes logf as a fixed sequence of fp32 operations (branch-free, so
+// loops over it vectorise).
 inline float neg_log_f32(float u) {
   const int32_t bits = __builtin_bit_cast(int32_t, u);
-  int32_t e = (bits >> 23) - 126;
-  const float m = __builtin_bit_cast(float, (bits & 0x7FFFFF) | 0x3F000000);
-  float x;
-  if (m < kSqrtHalf) {
-    e -= 1;
-    x = (m + m) - 1.0f;
-  } else {
-    x = m - 1.0f;
-  }
-  const float fe = static_cast<float>(e);
+  const float m = __builtin_bit_cast(float, (bits & 0x7FFFFF) | 0x3F000000);  // u = m 2^e
+  const bool small = m < kSqrtHalf;
+  const float fe = static_cast<float>((bits >> 23) - 126 - (small ? 1 : 0));
+  const float x = small ? (m + m) - 1.0f : m - 1.0f;
   const float z = x * x;
   float poly = kL0 * x + kL1;
   poly = poly * x + kL2;
@@ -225,8 +220,8 @@ inline float exp_noise_at(RowKey key, int64_t id) {
   const uint64_t i = static_cast<uint64_t>(id);
   uint32_t h = fmix32(key.a ^ static_cast<uint32_t>(i));
   h = fmix32(h ^ key.b ^ static_cast<uint32_t>(i >> 32));
-  const uint32_t b = h >> 9;  // 23 bits
-  return neg_log_f32(static_cast<float>(2 * b + 1) * kTwoM24);
+  const int32_t odd = static_cast<int32_t>((h >> 9) * 2 + 1);  // < 2^24: exact as a float
+  return neg_log_f32(static_cast<float>(odd) * kTwoM24);
 }
 
 }  // namespace

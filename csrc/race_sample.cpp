@@ -15,14 +15,23 @@ namespace specwhisper {
 namespace {
 
 SPECWHISPER_CLONES void noise_row(RowKey key, const int64_t* ids, int64_t V, float* out) {
-  for (int64_t i = 0; i < V; ++i) out[i] = exp_noise_at(key, ids ? ids[i] : i);
+  if (ids) {
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) out[i] = exp_noise_at(key, ids[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) out[i] = exp_noise_at(key, i);
+  }
 }
 
-// score[i] = p(i) / E(i) in float64 (every score >= 0).
+// score[i] = p(i) / E(i) in float64 (every score >= 0); the noise goes through `score` first.
 SPECWHISPER_CLONES void race_scores(const double* w, Distribution p, RowKey key, const int64_t* ids,
-                                    int64_t V, double* score) {
+                                    int64_t V, float* noise, double* score) {
+  noise_row(key, ids, V, noise);
+  const double tau = p.tau, inv_kept = p.inv_kept;
+#pragma omp simd
   for (int64_t i = 0; i < V; ++i)
-    score[i] = p.prob(w[i]) / static_cast<double>(exp_noise_at(key, ids ? ids[i] : i));
+    score[i] = (w[i] >= tau ? w[i] * inv_kept : 0.0) / static_cast<double>(noise[i]);
 }
 
 void check_rows(const at::Tensor& t, int64_t N, at::ScalarType dtype, const char* name) {
@@ -87,7 +96,7 @@ at::Tensor race_sample_cpu(const at::Tensor& logits_in, const at::Tensor& temper
                                   "specwhisper_race_sample", [&] {
     const scalar_t* base = logits.data_ptr<scalar_t>();
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> x(V);
+      std::vector<float> x(V), noise(V);
       std::vector<double> w(V), score(V);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = base + r * row_stride;
@@ -98,7 +107,7 @@ at::Tensor race_sample_cpu(const at::Tensor& logits_in, const at::Tensor& temper
         const float inv_t = static_cast<float>(1.0 / static_cast<double>(t[r]));
         const Distribution p =
             distribution(as_float(row, V, x.data()), V, inv_t, tp[r] < 1.0f, tp[r], w.data());
-        race_scores(w.data(), p, row_key(s[r], pos[r]), ids, V, score.data());
+        race_scores(w.data(), p, row_key(s[r], pos[r]), ids, V, noise.data(), score.data());
         out[r] = first_argmax(score.data(), V);
       }
     });
