@@ -2,7 +2,7 @@
 
 - `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`.
 - `csrc/` ships as package data; the optional C++/CUDA extension `specwhisper._C` is built
-  just in time with ninja on first use (see specwhisper/backend.py), so `pip install`
+  just in time with ninja on first use (see specwhisper/ops.py), so `pip install`
   compiles nothing and the package works without a compiler.
 """
 from setuptools import setup

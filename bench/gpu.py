@@ -434,7 +434,7 @@ def accept_op(device):
 
         return ops.speculative_sample_noise, "specwhisper.ops.speculative_sample_noise"
     except (ImportError, AttributeError):
-        from specwhisper import backend
+        from specwhisper import ops as backend
 
         return backend.speculative_sample_noise, f"specwhisper.backend ({backend.which_backend(device)})"
 

@@ -1,4 +1,5 @@
-"""Fused speculative-sampling step: accept / reject / resample in one Triton launch.
+"""Sampling kernels: the fused speculative-sampling step (accept / reject / resample in one
+launch), counter-based Exp(1) noise, and race sampling.
 
 Algorithm: speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
 arXiv 2302.01318). One program per batch row walks the draft positions in order; at each it
@@ -7,8 +8,13 @@ sort-free top-p threshold found by bisection, as FlashInfer's pivot search), acc
 token x iff q(x) > 0 and u * q(x) < p(x), and stops at the first rejection. The recovered token
 (or the bonus token after k acceptances) is the exponential race argmax(max(p - q, 0) / E).
 
-Reference: `specwhisper.sampling.speculative_sample_noise`, reproduced bit for bit on tokens and
-counts. That rests on the reference's arithmetic contract: the same fp32 exp polynomial, integer
+Race sampling (Gumbel-max trick as an exponential race): one program per row returns
+argmax_v p(v) / E(v), E(v) = exp_noise(seed, position, noise_ids[v]) computed in registers by
+an fmix32 hash on uint32 lanes and a fixed fp32 log (Cephes logf), or the logits' argmax for
+rows with temperature <= 0. Noise: one program per (row, vocabulary tile).
+
+References: `specwhisper.sampling.speculative_sample_noise`, `exp_noise` and `race_sample`,
+reproduced bit for bit. That rests on the reference's arithmetic contract: the same fp32 exp polynomial, integer
 weights whose float64 sums are exact in any reduction order, and IEEE float64 compares and
 divides. fp32 `/` is avoided (Triton lowers it to the approximate div.full.f32) and FMA
 contraction is disabled at launch. Tiles past the vocabulary load -inf logits, hence weight 0, and
@@ -31,6 +37,11 @@ _C7, _C6, _C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in sampling._EXP
 _WEIGHT_SCALE = tl.constexpr(sampling._WEIGHT_SCALE)
 _ROUND_MAGIC64 = tl.constexpr(sampling._ROUND_MAGIC64)
 _INF = tl.constexpr(float("inf"))
+_KEY_SEED = tl.constexpr(sampling._KEY_SEED)
+_KEY_B = tl.constexpr(sampling._KEY_B)
+_TWO_M24 = tl.constexpr(sampling._TWO_M24)
+_SQRT_HALF = tl.constexpr(sampling._SQRT_HALF)
+_L0, _L1, _L2, _L3, _L4, _L5, _L6, _L7, _L8 = (tl.constexpr(c) for c in sampling._LOG_POLY)
 
 
 @triton.jit
@@ -78,7 +89,7 @@ def _distribution(row_ptr, V, inv_t, top_p, TOP_P: tl.constexpr, BLOCK: tl.const
     tau = tl.full([], 1.0, tl.float64)
     kept = total
     if TOP_P:
-        # Bisection over the threshold value, snapped to weights (see sampling._top_p_threshold);
+        # Bisection over the threshold value, snapped to weights (the kept set of sampling._top_p_threshold);
         # it stops as soon as no weight lies strictly between lo (feasible) and hi (infeasible).
         target = total * tl.cast(top_p, tl.float64)
         hi = tl.full([], _WEIGHT_SCALE + 1.0, tl.float64)
@@ -223,6 +234,119 @@ def _spec_sample_kernel(
     tl.store(n_emitted_ptr + b, n_accepted + 1)
 
 
+@triton.jit
+def _fmix32(h):
+    """murmur3's 32-bit finalizer on uint32 (wrapping multiplies, logical shifts)."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _row_keys(seed, position):
+    """The two uint32 keys of a row from int64 seed and position (sampling._row_keys)."""
+    key = _fmix32(seed.to(tl.uint32) ^ _KEY_SEED)
+    key = _fmix32(key ^ (seed >> 32).to(tl.uint32))
+    key = _fmix32(key ^ position.to(tl.uint32))
+    key = _fmix32(key ^ (position >> 32).to(tl.uint32))
+    return key, _fmix32(key ^ _KEY_B)
+
+
+@triton.jit
+def _exp_noise(key_a, key_b, ids):
+    """Exp(1) noise (fp32, > 0) of int64 ids under a row's keys (sampling.exp_noise)."""
+    h = _fmix32(key_a ^ ids.to(tl.uint32))
+    h = _fmix32(h ^ key_b ^ (ids >> 32).to(tl.uint32))
+    u = ((h >> 9) * 2 + 1).to(tl.float32) * _TWO_M24  # in [2^-24, 1 - 2^-24], exact
+    # -log(u), Cephes logf (sampling._neg_log_f32)
+    bits = u.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 126
+    m = ((bits & 0x7FFFFF) | 0x3F000000).to(tl.float32, bitcast=True)
+    small = m < _SQRT_HALF
+    e = tl.where(small, e - 1, e).to(tl.float32)
+    x = tl.where(small, (m + m) - 1.0, m - 1.0)
+    z = x * x
+    poly = x * _L0 + _L1
+    poly = poly * x + _L2
+    poly = poly * x + _L3
+    poly = poly * x + _L4
+    poly = poly * x + _L5
+    poly = poly * x + _L6
+    poly = poly * x + _L7
+    poly = poly * x + _L8
+    y = (poly * x) * z
+    y = y + e * _LN2_LO
+    y = y - z * 0.5
+    return -((x + y) + e * _LN2_HI)
+
+
+@triton.jit
+def _exp_noise_kernel(
+    seed_ptr,  # [N] int64
+    position_ptr,  # [N] int64
+    noise_ids_ptr,  # [V] int64
+    out_ptr,  # [N, V] float32, out
+    V,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    key_a, key_b = _row_keys(tl.load(seed_ptr + row), tl.load(position_ptr + row))
+    ids = tl.load(noise_ids_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + row * V + offs, _exp_noise(key_a, key_b, ids), mask=mask)
+
+
+@triton.jit
+def _race_sample_kernel(
+    logits_ptr,  # [N, V] fp32 / fp16 / bf16, rows row_stride apart
+    temperature_ptr,  # [N] float32
+    top_p_ptr,  # [N] float32
+    seed_ptr,  # [N] int64
+    position_ptr,  # [N] int64
+    noise_ids_ptr,  # [V] int64 (unused without HAS_IDS)
+    tokens_ptr,  # [N] int64, out
+    V,
+    row_stride,
+    HAS_IDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0.0:
+        inv_t = (1.0 / temperature.to(tl.float64)).to(tl.float32)
+        top_p = tl.load(top_p_ptr + row)
+        if top_p < 1.0:
+            row_max, tau, inv_kept = _distribution(row_ptr, V, inv_t, top_p, True, BLOCK)
+        else:
+            row_max, tau, inv_kept = _distribution(row_ptr, V, inv_t, top_p, False, BLOCK)
+        key_a, key_b = _row_keys(tl.load(seed_ptr + row), tl.load(position_ptr + row))
+        best = tl.full([], -1.0, tl.float64)  # every real score is >= 0
+        token = tl.full([], 0, tl.int64)
+        for start in range(0, V, BLOCK):
+            logits, mask = _load_tile(row_ptr, start, V, BLOCK)
+            weights = _weights(logits, row_max, inv_t)
+            p = tl.where(weights >= tau, weights, 0.0) * inv_kept
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            if HAS_IDS:
+                ids = tl.load(noise_ids_ptr + offs, mask=mask, other=0)
+            else:
+                ids = offs
+            noise = _exp_noise(key_a, key_b, ids).to(tl.float64)
+            tile_best, tile_idx = tl.max(tl.where(mask, p / noise, -1.0), axis=0,
+                                         return_indices=True)
+            if tile_best > best:
+                best = tile_best
+                token = start + tile_idx.to(tl.int64)
+    else:
+        token = _argmax_row(row_ptr, V, BLOCK)
+    tl.store(tokens_ptr + row, token)
+
+
 def _block_size(V: int, device: torch.device) -> int:
     # A GPU pays per register, the interpreter (CPU tensors) per executed op: larger tiles there.
     return min(2048 if device.type == "cuda" else 8192, triton.next_power_of_2(V))
@@ -264,3 +388,51 @@ def speculative_sample_triton(target_logits: torch.Tensor, draft_logits: torch.T
         num_warps=8 if block >= 2048 else 4, enable_fp_fusion=False,
     )
     return tokens, n_emitted
+
+
+def exp_noise_triton(seed: torch.Tensor, position: torch.Tensor, noise_ids: torch.Tensor, *,
+                     block_size: int | None = None) -> torch.Tensor:
+    """Launcher of `sampling.exp_noise`: seed [N], position [N], noise_ids [V] (int64,
+    contiguous) -> [N, V] float32."""
+    assert seed.ndim == 1 and position.shape == seed.shape and noise_ids.ndim == 1
+    tensors = (seed, position, noise_ids)
+    assert all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors), "int64, contiguous"
+    assert all(t.device == seed.device for t in tensors), "inputs must share a device"
+    N, V = seed.shape[0], noise_ids.shape[0]
+    out = torch.empty((N, V), dtype=torch.float32, device=seed.device)
+    block = block_size or min(1024, triton.next_power_of_2(max(V, 1)))
+    if N and V:
+        _exp_noise_kernel[(N, triton.cdiv(V, block))](seed, position, noise_ids, out, V,
+                                                       BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
+def race_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                       seed: torch.Tensor, position: torch.Tensor,
+                       noise_ids: torch.Tensor | None = None, *,
+                       block_size: int | None = None) -> torch.Tensor:
+    """Launcher of `sampling.race_sample`: logits [N, V] fp32 / fp16 / bf16 with a contiguous
+    vocabulary dim, temperature [N] and top_p [N] float32, seed [N] and position [N] int64,
+    noise_ids [V] int64 or None -> tokens [N] int64. `block_size` only changes the tiling."""
+    assert logits.ndim == 2 and logits.stride(-1) == 1, "logits must be [N, V], V contiguous"
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), logits.dtype
+    N, V = logits.shape
+    for t, dtype in ((temperature, torch.float32), (top_p, torch.float32), (seed, torch.int64),
+                     (position, torch.int64)):
+        assert t.shape == (N,) and t.dtype == dtype and t.is_contiguous(), (t.shape, t.dtype)
+    if noise_ids is not None:
+        assert noise_ids.shape == (V,) and noise_ids.dtype == torch.int64
+        assert noise_ids.is_contiguous()
+    tensors = (logits, temperature, top_p, seed, position) + (() if noise_ids is None else (noise_ids,))
+    assert all(t.device == logits.device for t in tensors), "inputs must share a device"
+    assert 1 <= V <= sampling.MAX_VOCAB, V
+    tokens = torch.empty((N,), dtype=torch.int64, device=logits.device)
+    block = block_size or _block_size(V, logits.device)
+    if N:
+        _race_sample_kernel[(N,)](
+            logits, temperature, top_p, seed, position,
+            noise_ids if noise_ids is not None else seed, tokens, V, logits.stride(0),
+            HAS_IDS=noise_ids is not None, BLOCK=block,
+            num_warps=8 if block >= 2048 else 4, enable_fp_fusion=False,
+        )
+    return tokens

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampling
+from . import ops
 from .draft import Drafter, greedy_tokens
 from .model import DecoderCache
 
@@ -440,20 +440,5 @@ def j_range(n: int, device) -> torch.Tensor:
 
 def sampling_race(logits, temperature, top_p, seed, position, noise_ids):
     """Per row: the argmax at temperature 0, else the winner of the exponential race
-    argmax(p / E) with E keyed by (seed, position, token id)."""
-    if hasattr(sampling, "race_sample"):
-        return sampling.race_sample(logits, temperature, top_p, seed, position, noise_ids)
-    out = logits.argmax(-1)
-    sampled = (temperature > 0).nonzero().squeeze(1).tolist()
-    if not sampled:
-        return out
-    V = logits.shape[-1]
-    ids = noise_ids if noise_ids is not None else torch.arange(V, device=logits.device)
-    for r in sampled:
-        probs = sampling._probs64(logits[r:r + 1], float(temperature[r]), float(top_p[r]))
-        h = (seed[r] * 0x9E3779B1 + position[r] * 0x85EBCA77 + ids * 0xC2B2AE3D) & 0xFFFFFFFF
-        for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
-            h = ((h ^ (h >> shift)) * mul) & 0xFFFFFFFF
-        u = (h.double() + 1.0) / 4294967296.0
-        out[r] = (probs[0] / (-torch.log(u))).argmax()
-    return out
+    argmax(p / E) with E keyed by (seed, position, token id) (`ops.race_sample`)."""
+    return ops.race_sample(logits, temperature, top_p, seed, position, noise_ids)

@@ -1,7 +1,15 @@
-"""Sampling reference: processed probabilities, greedy and speculative acceptance, resampling.
+"""Sampling reference: processed probabilities, counter-based noise, race sampling, greedy and
+speculative acceptance, resampling.
 
-This module is the spec. The Triton kernel (`kernels/spec_sample.py`) and the C++ op
-(`csrc/spec_sample.cpp`) reproduce `speculative_sample_noise` bit for bit on tokens and counts.
+This module is the spec (a leaf: it imports nothing of ours). The Triton kernels
+(`kernels/spec_sample.py`) and the C++ ops (`csrc/`) reproduce `exp_noise`, `race_sample` and
+`speculative_sample_noise` bit for bit; `specwhisper.ops` dispatches to them.
+
+Race sampling (Gumbel-max / exponential race): token = argmax_v p(v) / E(v), E(v) ~ Exp(1), is a
+sample of p. With counter-based noise E = exp_noise(seed, position, vocabulary id), a draft that
+proposes its own race winner under the *same* noise and a target that emits its race winner give
+output equal to target-only sampling with that seed, whatever k, batch or draft: the draft only
+decides how many target winners one pass confirms.
 
 Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318):
 the draft proposed x_i ~ q_i; accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
@@ -42,7 +50,6 @@ WEIGHT_BITS = 36  # weights are integers in [0, 2^WEIGHT_BITS]
 _WEIGHT_SCALE = 2.0 ** WEIGHT_BITS
 _ROUND_MAGIC64 = 2.0 ** 52  # (x + M) - M rounds 0 <= x < 2^52 to the nearest integer in float64
 MAX_VOCAB = 2 ** (53 - WEIGHT_BITS)  # keeps every row sum of weights exact in float64
-TOP_P_ITERS = WEIGHT_BITS  # bisection steps that shrink [1, 2^36 + 1) to one weight value
 
 
 def f32(x: float) -> float:
@@ -73,40 +80,133 @@ def _exp_f32(s: torch.Tensor) -> torch.Tensor:
     return poly * two_n
 
 
-def _weights(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Integer weights (float64) proportional to softmax(logits / temperature) over the last dim."""
+# --- counter-based noise -------------------------------------------------------------------------
+# E(seed, position, id) = -log(u), u in (0, 1) from a 32-bit integer hash. The hash works on 32-bit
+# lanes (murmur3's fmix32 finalizer), which torch (int64 holding values < 2^32, products split so
+# nothing overflows), Triton (uint32) and C++ (uint32_t) compute identically; -log is the fixed
+# fp32 sequence of `_neg_log_f32` (Cephes logf), not the platform log.
+_M32 = 0xFFFFFFFF
+_FMIX_C1, _FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3 fmix32 multipliers
+_KEY_SEED = 0x9E3779B9  # golden-ratio constant: the chain's starting offset
+_KEY_B = 0x7F4A7C15  # derives a row's second key from its first
+_NOISE_SHIFT = 9  # the top 23 bits of the hash make u
+_TWO_M24 = 2.0 ** -24  # u = (2 * b + 1) * 2^-24, b < 2^23: exact in fp32, in [2^-24, 1 - 2^-24]
+_SQRT_HALF = 0.7071067690849304  # fp32(sqrt(1/2))
+_LOG_POLY = (  # Cephes logf: log(1 + x) = x - x^2 / 2 + x^3 P(x), |x| <= sqrt(2) - 1 (fp32 values)
+    0.07037683576345444, -0.11514610052108765, 0.11676998436450958, -0.12420140951871872,
+    0.14249323308467865, -0.16668057441711426, 0.2000071406364441, -0.24999994039535522,
+    0.3333333134651184,
+)
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for int64 h in [0, 2^32), split so no int64 product overflows."""
+    return ((((h * (c >> 16)) & 0xFFFF) << 16) + h * (c & 0xFFFF)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer (a bijection) on int64 values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _FMIX_C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _FMIX_C2)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seed: torch.Tensor, position: torch.Tensor):
+    """Two 32-bit keys per row (int64 tensors) from int64 seed and position (all 64 bits used)."""
+    key = _fmix32((seed & _M32) ^ _KEY_SEED)
+    for part in ((seed >> 32) & _M32, position & _M32, (position >> 32) & _M32):
+        key = _fmix32(key ^ part)
+    return key, _fmix32(key ^ _KEY_B)
+
+
+def _neg_log_f32(u: torch.Tensor) -> torch.Tensor:
+    """-log(u) for fp32 u in [2^-24, 1) by a fixed sequence of fp32 operations (Cephes logf)."""
+    bits = u.view(torch.int32)
+    e = (bits >> 23) - 126  # u = m * 2^e, m in [0.5, 1)
+    m = ((bits & 0x7FFFFF) | 0x3F000000).view(torch.float32)
+    small = m < _SQRT_HALF
+    e = torch.where(small, e - 1, e).float()
+    x = torch.where(small, (m + m) - 1.0, m - 1.0)  # exact; |x| <= sqrt(2) - 1
+    z = x * x
+    poly = torch.full_like(x, _LOG_POLY[0])
+    for c in _LOG_POLY[1:]:
+        poly = poly * x + c
+    y = (poly * x) * z
+    y = y + e * _LN2_LO
+    y = y - z * 0.5
+    return -((x + y) + e * _LN2_HI)
+
+
+def exp_noise(seed: torch.Tensor, position: torch.Tensor, noise_ids: torch.Tensor) -> torch.Tensor:
+    """Counter-based Exp(1) noise [N, V] float32 (> 0, finite) keyed by (seed [N] int64,
+    position [N] int64, noise_ids [V] int64): the same three integers give the same value on
+    every backend, device and batch. noise_ids names each column's token; the same id means the
+    same noise (a mapped draft keys its columns by target ids)."""
+    key_a, key_b = _row_keys(seed.long()[:, None], position.long()[:, None])  # [N, 1]
+    ids = noise_ids.long()[None, :]  # [1, V]
+    h = _fmix32(key_a ^ (ids & _M32))
+    h = _fmix32(h ^ key_b ^ ((ids >> 32) & _M32))  # [N, V]
+    b = (h >> _NOISE_SHIFT).to(torch.int32)  # 23 bits
+    u = (b * 2 + 1).float() * _TWO_M24
+    return _neg_log_f32(u)
+
+
+def _row_inv_temperature(temperature) -> float | torch.Tensor:
+    """fp32(1 / temperature) as a float, or per row [..., 1] for a float32 tensor [...] (rows with
+    temperature <= 0 get 1: they are greedy and their probabilities are unused)."""
+    if not isinstance(temperature, torch.Tensor):
+        return inv_temperature(temperature)
+    t = torch.where(temperature > 0, temperature, 1.0).double()
+    return (1.0 / t).float().unsqueeze(-1)  # fp64 divide, then one rounding: as the kernels
+
+
+def _weights(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """Integer weights (float64) proportional to softmax(logits / temperature) over the last dim;
+    temperature is a float or a float32 tensor with one value per row."""
     x = logits.float()
-    s = (x - x.amax(-1, keepdim=True)) * inv_temperature(temperature)  # fp32, <= 0
+    s = (x - x.amax(-1, keepdim=True)) * _row_inv_temperature(temperature)  # fp32, <= 0
     scaled = (_exp_f32(s) * _WEIGHT_SCALE).double()  # exact: a power-of-two scale
     return (scaled + _ROUND_MAGIC64) - _ROUND_MAGIC64
 
 
-def _top_p_threshold(weights: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Largest integer tau such that the weights >= tau hold at least top_p of the row's mass.
+def _top_p_threshold(weights: torch.Tensor, top_p) -> torch.Tensor:
+    """The largest weight value tau such that the weights >= tau hold at least top_p of the row's
+    mass, [..., 1] (1 when no value does, i.e. top_p > 1: every nonzero weight is kept).
 
-    Sort-free bisection over the threshold value, [..., 1]. Invariant: `lo` is feasible (kept
-    mass >= target), `hi` is not; the interval [1, 2^36 + 1) halves every step, so after
-    TOP_P_ITERS steps hi == lo + 1 and lo is tau. The kept set {weights >= tau} is unique, so the
-    kernels may search differently (they snap to weight values and stop early) and still agree.
+    By the definition: rank the weights, accumulate them (exact: integers below 2^53, in any
+    order), and take the weight at the first rank whose running mass reaches the target; tied
+    weights are all kept. The kept set {weights >= tau} is unique, so the kernels may search
+    differently (a sort-free bisection over the threshold value) and still agree.
     """
     total = weights.sum(-1, keepdim=True)  # exact: integers below 2^53
-    target = total * f32(top_p)
-    lo = torch.ones_like(total)  # keeps every nonzero weight: mass == total
-    hi = torch.full_like(total, _WEIGHT_SCALE + 1.0)  # above every weight: keeps nothing
-    for _ in range(TOP_P_ITERS):
-        mid = torch.floor((lo + hi) * 0.5)
-        ok = torch.where(weights >= mid, weights, 0.0).sum(-1, keepdim=True) >= target
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid)
-    return lo
+    if isinstance(top_p, torch.Tensor):  # float32, one value per row
+        target = total * top_p.double().unsqueeze(-1)
+    else:
+        target = total * f32(top_p)
+    ranked = weights.sort(-1, descending=True).values
+    first = torch.searchsorted(ranked.cumsum(-1), target)  # [..., 1] first rank reaching target
+    V = weights.shape[-1]
+    return torch.where(first < V, ranked.gather(-1, first.clamp_max(V - 1)), 1.0)
 
 
-def _probs64(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Processed probabilities in float64: the values every backend compares."""
+def _probs64(logits: torch.Tensor, temperature, top_p) -> torch.Tensor:
+    """Processed probabilities in float64: the values every backend compares. temperature and
+    top_p are floats, or float32 tensors with one value per row (no host sync: the threshold is
+    then found on every row; with top_p >= 1 it keeps every nonzero weight, as skipping it would)."""
     weights = _weights(logits, temperature)
-    if top_p < 1.0:
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
         weights = torch.where(weights >= _top_p_threshold(weights, top_p), weights, 0.0)
     return weights * (1.0 / weights.sum(-1, keepdim=True))
+
+
+def probs64(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Processed probabilities [N, V] float64 of logits [N, V] with per-row temperature [N] and
+    top_p [N] (float32; rows with temperature <= 0 come out as softmax at temperature 1): exactly
+    the probabilities `race_sample` races on. A mapped draft passes these (permuted into target
+    ids by `permute_probs`) to `speculative_sample_mapped`."""
+    return _probs64(logits, temperature, top_p)
 
 
 def processed_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -131,6 +231,27 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_p: float) -> t
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dim (the first index among ties), int64."""
     return logits.argmax(-1)
+
+
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                seed: torch.Tensor, position: torch.Tensor,
+                noise_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of logits [N, V] by the exponential race with counter-based noise:
+    argmax_v probs64(v) / exp_noise(seed, position, noise_ids)(v) (first index among ties), or the
+    argmax of the logits for rows with temperature <= 0 (no noise). temperature [N] and top_p [N]
+    are float32 (per row; top_p >= 1 keeps everything), seed [N] and position [N] int64,
+    noise_ids [V] int64 or None for arange(V). Returns int64 [N]. No host sync."""
+    N, V = logits.shape
+    ids = torch.arange(V, device=logits.device) if noise_ids is None else noise_ids
+    scores = _probs64(logits, temperature, top_p) / exp_noise(seed, position, ids).double()
+    return torch.where(temperature > 0, scores.argmax(-1), logits.argmax(-1))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits.float()) [N, V] at tokens [N] -> [N] float32 (openai-whisper's
+    per-token log probability: suppression applied, temperature not)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return logprobs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def draw_exp_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -214,10 +335,16 @@ def speculative_sample_core(target_logits, draft_logits, draft_tokens, temperatu
     """`speculative_sample_noise` without validation (what the dispatcher falls back to)."""
     if temperature == 0:
         return greedy_accept(target_logits, draft_tokens)
-    B, k1, V = target_logits.shape
-    k = k1 - 1
     target_probs = _probs64(target_logits, temperature, top_p)  # [B, k+1, V]
     draft_probs = _probs64(draft_logits, temperature, top_p)  # [B, k, V]
+    return accept_probs(target_probs, draft_probs, draft_tokens, uniforms, exp_noise)
+
+
+def accept_probs(target_probs, draft_probs, draft_tokens, uniforms, exp_noise):
+    """The accept / recover / bonus rule of `speculative_sample_noise` on processed float64
+    probabilities target_probs [B, k+1, V] and draft_probs [B, k, V]. Same result contract."""
+    B, k1, V = target_probs.shape
+    k = k1 - 1
     drafted = draft_tokens.unsqueeze(-1)  # [B, k, 1]
     p_x = target_probs[:, :k].gather(-1, drafted).squeeze(-1)  # [B, k]
     q_x = draft_probs.gather(-1, drafted).squeeze(-1)
@@ -232,29 +359,47 @@ def speculative_sample_core(target_logits, draft_logits, draft_tokens, temperatu
     residual = torch.where((residual > 0).any(-1, keepdim=True), residual, p_j)
     resampled = (residual / exp_noise.double()).argmax(-1)  # [B]
 
-    steps = torch.arange(k1, device=target_logits.device)
+    steps = torch.arange(k1, device=target_probs.device)
     drafts = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, k+1]
     tokens = torch.where(steps < n_accepted[:, None], drafts, -1)
     tokens = torch.where(steps == n_accepted[:, None], resampled[:, None], tokens)
     return tokens, n_accepted + 1
 
 
-def speculative_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor,
-                       draft_tokens: torch.Tensor, temperature: float, top_p: float,
-                       generator: torch.Generator | None = None):
-    """Speculative sampling step: draws the noise with `generator` on the logits' device and runs
-    the fastest exact backend (Triton on CUDA, the C++ op on CPU, else the reference core).
-    Same shapes and result contract as `speculative_sample_noise`."""
-    _check_step(target_logits, draft_logits, draft_tokens, temperature, top_p)
+def permute_probs(draft_probs: torch.Tensor, draft_to_target: torch.Tensor,
+                  target_vocab: int) -> torch.Tensor:
+    """A draft's processed probabilities [..., V_draft] float64 in target ids: [..., V + 1]
+    float64 with V = target_vocab, draft id d's mass at draft_to_target[d] ([V_draft] int64,
+    injective where >= 0) and the mass of every draft token the target cannot spell
+    (draft_to_target == -1) in the extra column V."""
+    index = torch.where(draft_to_target >= 0, draft_to_target, target_vocab)
+    out = draft_probs.new_zeros((*draft_probs.shape[:-1], target_vocab + 1))
+    return out.index_add_(-1, index.to(draft_probs.device), draft_probs)
+
+
+def speculative_sample_mapped(target_logits: torch.Tensor, draft_probs: torch.Tensor,
+                              draft_tokens: torch.Tensor, temperature: float, top_p: float,
+                              uniforms: torch.Tensor, exp_noise: torch.Tensor):
+    """Speculative sampling with a draft of another vocabulary, given the draft's exact processed
+    probabilities instead of its logits.
+
+    target_logits [B, k+1, V] (processed with temperature, top_p as in `processed_probs`);
+    draft_probs [B, k, V+1] float64: the draft's `probs64` permuted into target ids by
+    `permute_probs` (column V: draft tokens the target cannot spell, to which the target gives
+    probability 0, so such a draft is always rejected); draft_tokens [B, k] int64 in [0, V]
+    (V for an unspellable proposal); uniforms [B, k] float64 in (0, 1]; exp_noise [B, V+1]
+    float32 > 0. The rule and result contract are `speculative_sample_noise`'s: emitted tokens
+    follow the target's processed distribution exactly, and none is ever V. temperature == 0 is
+    greedy acceptance (an unspellable proposal never matches)."""
+    B, k1, V = target_logits.shape
+    if draft_probs.shape != (B, k1 - 1, V + 1) or draft_probs.dtype != torch.float64:
+        raise ValueError(f"draft_probs must be float64 [B, k, V+1] = {(B, k1 - 1, V + 1)}, got "
+                         f"{draft_probs.dtype} {tuple(draft_probs.shape)}")
+    _check_sampling_params(temperature, top_p)
     if temperature == 0:
         return greedy_accept(target_logits, draft_tokens)
-    B, k1, V = target_logits.shape
-    u = draw_uniforms((B, k1 - 1), target_logits.device, generator)
-    noise = draw_exp_noise((B, V), target_logits.device, generator)
-    from specwhisper import backend  # backend imports this module for its fallback
-
-    return backend.speculative_sample_noise(target_logits, draft_logits, draft_tokens,
-                                            temperature, top_p, u, noise)
+    target_probs = torch.nn.functional.pad(_probs64(target_logits, temperature, top_p), (0, 1))
+    return accept_probs(target_probs, draft_probs, draft_tokens, uniforms, exp_noise)
 
 
 def _check_sampling_params(temperature: float, top_p: float) -> None:

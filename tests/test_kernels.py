@@ -1,6 +1,6 @@
-"""Kernels == reference, bit for bit on tokens and n_emitted, with shared noise over odd shapes:
-the Triton kernel (interpreted on CPU tensors; compiled on CUDA), the C++ CPU op, and the backend
-dispatcher."""
+"""Kernels == reference, bit for bit, over odd shapes: the rejection-sampling step (tokens and
+n_emitted, with shared noise), counter-based noise and race sampling, for the Triton kernels
+(interpreted on CPU tensors; compiled on CUDA), the C++ CPU ops, and the dispatcher (ops.py)."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from specwhisper import backend
+from specwhisper import ops
 from specwhisper import sampling as S
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -91,9 +91,14 @@ class _Interpreted:
             else:
                 os.environ["TRITON_INTERPRET"] = previous
 
-    def speculative_sample_triton(self, *args, **kwargs):
-        with _interpreted_stdlib():
-            return self.module.speculative_sample_triton(*args, **kwargs)
+    def __getattr__(self, name):
+        launcher = getattr(self.module, name)
+
+        def call(*args, **kwargs):
+            with _interpreted_stdlib():
+                return launcher(*args, **kwargs)
+
+        return call
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +203,7 @@ def test_triton_launcher_asserts(interpreted):
 
 @pytest.fixture(scope="module")
 def cpp_op():
-    op = backend.cpp_op()
+    op = ops.cpp_op()
     if op is None:
         pytest.skip("the C++ extension is disabled (SPECWHISPER_NO_EXT) or failed to build")
     return op
@@ -258,24 +263,191 @@ def test_cpp_rejects_bad_arguments(cpp_op):
 # --- dispatcher ----------------------------------------------------------------------------------
 
 def test_dispatcher_on_cpu():
-    assert backend.which_backend("cpu") in ("cpp", "reference")
+    assert ops.which_backend("cpu") in ("cpp", "reference")
     args = make_inputs(3, 4, 1000, temperature=0.9, top_p=0.95, seed=5)
-    assert_same(backend.speculative_sample_noise(*args), S.speculative_sample_noise(*args))
+    assert_same(ops.speculative_sample_noise(*args), S.speculative_sample_noise(*args))
     target, draft, drafts, T, top_p, *_ = args
     g1, g2 = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
-    assert_same(S.speculative_sample(target, draft, drafts, T, top_p, g1),
-                S.speculative_sample(target, draft, drafts, T, top_p, g2))
+    assert_same(ops.speculative_sample(target, draft, drafts, T, top_p, g1),
+                ops.speculative_sample(target, draft, drafts, T, top_p, g2))
 
 
 def test_no_ext_env_disables_the_cpp_op(monkeypatch):
     monkeypatch.setenv("SPECWHISPER_NO_EXT", "1")
-    backend.cpp_op.cache_clear()
+    ops.cpp_ops.cache_clear()
     try:
-        assert backend.cpp_op() is None
-        assert backend.which_backend("cpu") == "reference"
+        assert ops.cpp_op() is None
+        assert ops.which_backend("cpu") == "reference"
+        args = race_inputs(3, 50, seed=9)
+        assert torch.equal(ops.race_sample(*args), S.race_sample(*args))
     finally:
         monkeypatch.delenv("SPECWHISPER_NO_EXT")
-        backend.cpp_op.cache_clear()
+        ops.cpp_ops.cache_clear()
+
+
+# --- counter-based noise and race sampling -------------------------------------------------------
+
+BIG = [0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1, -2**63]
+
+
+def noise_keys(N, seed=0):
+    """seed [N], position [N] int64 mixing small, 32-bit-boundary and extreme int64 values."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.tensor(BIG)
+    seeds = torch.cat([big, torch.randint(-2**63, 2**63 - 1, (N,), generator=g)])[:N]
+    positions = torch.cat([big.flip(0), torch.randint(0, 448, (N,), generator=g)])[:N]
+    return seeds, positions
+
+
+def noise_ids(V, mode, seed=0):
+    """Column keys: arange(V), a permutation shifted past a vocabulary, or arbitrary int64s."""
+    g = torch.Generator().manual_seed(seed)
+    if mode == "arange":
+        return torch.arange(V)
+    if mode == "mapped":
+        return torch.randperm(V, generator=g) + 51866
+    return torch.randint(-2**63, 2**63 - 1, (V,), generator=g)
+
+
+def race_inputs(N, V, dtype=torch.float32, seed=0, spread=3.0, greedy_every=4, ids=None):
+    """(logits, temperature, top_p, seed, position, noise_ids): per-row temperatures incl. greedy
+    rows (0), per-row top_p incl. 1, seeds/positions incl. extreme int64 values."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, V, generator=g) * spread).to(dtype)
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 25.0, 0.05][:N] * (N // 6 + 1))[:N]
+    if greedy_every:
+        temperature[::greedy_every] = 0.0
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1e-6, 0.99, 1.0][:N] * (N // 7 + 1))[:N]
+    seeds, positions = noise_keys(N, seed)
+    return logits, temperature.float(), top_p.float(), seeds, positions, ids
+
+
+def race_edge_cases():
+    cases = []
+    ties = torch.randint(-2, 3, (9, 40), generator=torch.Generator().manual_seed(3)).float()
+    t, tp, sd, pos = torch.full((9,), 1.0), torch.full((9,), 0.5), *noise_keys(9)
+    cases.append(("ties", (ties, t, tp, sd, pos, None)))
+    cases.append(("ties_greedy", (ties, torch.zeros(9), tp, sd, pos, None)))
+    flat = torch.zeros(9, 40)  # every token equally likely: the noise alone decides
+    cases.append(("flat", (flat, t, torch.ones(9), sd, pos, None)))
+    suppressed = torch.randn(9, 40, generator=torch.Generator().manual_seed(4))
+    suppressed[:, ::3] = -math.inf
+    cases.append(("suppressed", (suppressed, t * 1.2, tp * 1.8, sd, pos, noise_ids(40, "mapped"))))
+    one = torch.full((9, 40), -math.inf)
+    one[:, 17] = 0.0
+    cases.append(("one_finite", (one, t, tp, sd, pos, None)))
+    cases.append(("V=1", (torch.randn(9, 1), t, tp, sd, pos, None)))
+    return cases
+
+
+RACE_EDGE_CASES = race_edge_cases()
+
+
+@pytest.mark.parametrize("V", [1, 7, 111, 8193, 51864, 51866])
+@pytest.mark.parametrize("mode", ["arange", "mapped", "any"])
+def test_cpp_noise_matches_reference(cpp_op, V, mode):
+    seeds, positions = noise_keys(12, V)
+    ids = noise_ids(V, mode, V)
+    expected = S.exp_noise(seeds, positions, ids)
+    got = ops.cpp_ops().exp_noise(seeds, positions, ids)
+    assert got.dtype == torch.float32 and got.shape == (12, V)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert (expected > 0).all() and torch.isfinite(expected).all()
+
+
+@pytest.mark.parametrize("N,V,dtype", [(1, 1, "fp32"), (5, 7, "fp16"), (13, 111, "bf16"),
+                                       (7, 8193, "fp32"), (13, 51864, "fp16"),
+                                       (24, 51866, "fp32"), (6, 51866, "bf16")])
+@pytest.mark.parametrize("mode", ["arange", "mapped"])
+def test_cpp_race_matches_reference(cpp_op, N, V, dtype, mode):
+    ids = None if mode == "arange" else noise_ids(V, "mapped", N)
+    args = race_inputs(N, V, DTYPES[dtype], seed=N + V, ids=ids)
+    got = ops.cpp_ops().race_sample(*args)
+    assert got.dtype == torch.int64 and got.shape == (N,)
+    assert torch.equal(got, S.race_sample(*args))
+
+
+@pytest.mark.parametrize("name,args", RACE_EDGE_CASES, ids=[c[0] for c in RACE_EDGE_CASES])
+def test_cpp_race_edge_cases(cpp_op, name, args):
+    expected = S.race_sample(*args)
+    assert torch.equal(ops.cpp_ops().race_sample(*args), expected)
+    if name == "ties_greedy":
+        assert torch.equal(expected, args[0].argmax(-1))  # first index among ties
+    if name == "one_finite":
+        assert (expected == 17).all()
+
+
+def test_cpp_race_strided_rows_and_opcheck(cpp_op):
+    logits, t, tp, sd, pos, _ = race_inputs(8, 300, seed=5)
+    row = logits[1:2].expand(8, 300)  # one row raced under 8 keys: stride 0
+    assert torch.equal(ops.cpp_ops().race_sample(row, t, tp, sd, pos, None),
+                       S.race_sample(row, t, tp, sd, pos))
+    torch.library.opcheck(ops.cpp_ops().race_sample, (logits, t, tp, sd, pos, None))
+    torch.library.opcheck(ops.cpp_ops().race_sample, (logits, t, tp, sd, pos, torch.arange(300)))
+    torch.library.opcheck(ops.cpp_ops().exp_noise, (sd, pos, torch.arange(300)))
+
+
+def test_cpp_race_rejects_bad_arguments(cpp_op):
+    logits, t, tp, sd, pos, _ = race_inputs(4, 30)
+    race = ops.cpp_ops().race_sample
+    with pytest.raises(RuntimeError, match="temperature"):
+        race(logits, t.double(), tp, sd, pos, None)
+    with pytest.raises(RuntimeError, match="seed"):
+        race(logits, t, tp, sd[:2], pos, None)
+    with pytest.raises(RuntimeError, match="noise_ids"):
+        race(logits, t, tp, sd, pos, torch.arange(29))
+
+
+# Interpreted Triton: small vocabularies, and one row pair at V = 51866.
+TRITON_RACE_CASES = [(1, 1, "fp32", "arange"), (6, 7, "fp16", "mapped"),
+                     (13, 111, "bf16", "arange"), (7, 111, "fp32", "mapped"),
+                     (2, 51866, "fp32", "arange")]
+
+
+@needs_triton
+@pytest.mark.parametrize("V", [1, 7, 1000])
+@pytest.mark.parametrize("mode", ["arange", "any"])
+def test_triton_noise_matches_reference(interpreted, V, mode):
+    seeds, positions = noise_keys(10, V)
+    ids = noise_ids(V, mode, V)
+    got = interpreted.exp_noise_triton(seeds, positions, ids, block_size=256)
+    assert torch.equal(got.view(torch.int32), S.exp_noise(seeds, positions, ids).view(torch.int32))
+
+
+@needs_triton
+@pytest.mark.parametrize("N,V,dtype,mode", TRITON_RACE_CASES)
+def test_triton_race_matches_reference(interpreted, N, V, dtype, mode):
+    ids = None if mode == "arange" else noise_ids(V, "mapped", N)
+    args = race_inputs(N, V, DTYPES[dtype], seed=N + V, greedy_every=2 if V > 1000 else 4, ids=ids)
+    assert torch.equal(interpreted.race_sample_triton(*args), S.race_sample(*args))
+
+
+@needs_triton
+@pytest.mark.parametrize("name,args", RACE_EDGE_CASES, ids=[c[0] for c in RACE_EDGE_CASES])
+def test_triton_race_edge_cases(interpreted, name, args):
+    assert torch.equal(interpreted.race_sample_triton(*args), S.race_sample(*args))
+
+
+@needs_triton
+def test_triton_race_does_not_depend_on_tiling(interpreted):
+    args = race_inputs(5, 100, seed=6, ids=noise_ids(100, "mapped"))
+    expected = S.race_sample(*args)
+    for block in (16, 64):
+        assert torch.equal(interpreted.race_sample_triton(*args, block_size=block), expected)
+    row = args[0][2:3].expand(5, 100)
+    assert torch.equal(interpreted.race_sample_triton(row, *args[1:]), S.race_sample(row, *args[1:]))
+
+
+def test_dispatched_race_on_cpu():
+    args = race_inputs(9, 1000, seed=7, ids=noise_ids(1000, "mapped"))
+    assert torch.equal(ops.race_sample(*args), S.race_sample(*args))
+    seeds, positions = noise_keys(4)
+    assert torch.equal(ops.exp_noise(seeds, positions, torch.arange(33)),
+                       S.exp_noise(seeds, positions, torch.arange(33)))
+    with pytest.raises(ValueError, match="temperature"):
+        ops.race_sample(args[0], args[1].double(), *args[2:])
+    with pytest.raises(ValueError, match="noise_ids"):
+        ops.race_sample(*args[:5], torch.arange(999))
 
 
 # --- Triton kernel, compiled on CUDA -------------------------------------------------------------
@@ -290,9 +462,9 @@ CUDA_CASES = [(B, k, V, dtype, T, top_p)
 @needs_triton
 @pytest.mark.parametrize("B,k,V,dtype,temperature,top_p", CUDA_CASES)
 def test_triton_on_cuda_matches_reference(B, k, V, dtype, temperature, top_p):
-    assert backend.which_backend("cuda") == "triton"
+    assert ops.which_backend("cuda") == "triton"
     args = make_inputs(B, k, V, DTYPES[dtype], temperature, top_p, seed=V + k + B, device="cuda")
-    got = backend.speculative_sample_noise(*args)
+    got = ops.speculative_sample_noise(*args)
     cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
     assert_same(got, S.speculative_sample_noise(*cpu_args))  # the spec, on the CPU
     assert_same(got, S.speculative_sample_noise(*args))  # and the reference run on the GPU
@@ -304,4 +476,19 @@ def test_triton_on_cuda_matches_reference(B, k, V, dtype, temperature, top_p):
 @pytest.mark.parametrize("name,args", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
 def test_triton_on_cuda_edge_cases(name, args):
     cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    assert_same(backend.speculative_sample_noise(*cuda_args), S.speculative_sample_noise(*args))
+    assert_same(ops.speculative_sample_noise(*cuda_args), S.speculative_sample_noise(*args))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("N,V,dtype", [(1, 1, "fp32"), (13, 111, "bf16"), (64, 51864, "fp16"),
+                                       (33, 51866, "fp32")])
+def test_triton_race_on_cuda_matches_reference(N, V, dtype):
+    assert ops.which_backend("cuda") == "triton"
+    args = race_inputs(N, V, DTYPES[dtype], seed=N + V, ids=noise_ids(V, "mapped"))
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    assert torch.equal(ops.race_sample(*cuda_args).cpu(), S.race_sample(*args))
+    seeds, positions = noise_keys(N)
+    got = ops.exp_noise(seeds.cuda(), positions.cuda(), torch.arange(V).cuda())
+    assert torch.equal(got.cpu(), S.exp_noise(seeds, positions, torch.arange(V)))
