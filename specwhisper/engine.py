@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .config import DecodeOptions, WhisperConfig
+from .config import DecodeOptions, TranscribeOptions, WhisperConfig
 from .decoding import LoadedModel
 from .model import DecoderCache
 from . import sampling
@@ -105,8 +105,13 @@ class Engine:
                    temperature: float = 0.0, top_p: float = 1.0, num_draft_tokens: int | None = None,
                    max_new_tokens: int | None = None, seed: int | None = None):
         """Decode `mel` [n_mels, frames] -> Transcription, or [batch, n_mels, frames] -> a list."""
-        opts = DecodeOptions(language, task, temperature, top_p, num_draft_tokens, max_new_tokens, seed)
         single, mel = self._as_mel(mel)
+        if single and mel.shape[-1] > N_FRAMES:  # longer than 30 s: openai-whisper's long-form algorithm
+            if max_new_tokens is not None:
+                raise ValueError("max_new_tokens applies to one 30 s window; long-form input decodes every window")
+            return self.transcribe_long(mel, TranscribeOptions(temperature, language=language, task=task,
+                                                               top_p=top_p), seed)
+        opts = DecodeOptions(language, task, temperature, top_p, num_draft_tokens, max_new_tokens, seed)
         batch = self._check_mel(mel)
         if language is not None:
             self.target.tokenizer.prompt(language, task)  # validates the code before any work
@@ -138,9 +143,8 @@ class Engine:
         if isinstance(x, torch.Tensor) and x.ndim == 1:
             if x.numel() == 0:
                 raise ValueError("audio is empty (0 samples)")
-            if x.numel() > N_FRAMES * HOP_LENGTH:
-                raise ValueError(f"audio is {x.numel() / 16000:.1f} s long; inputs longer than 30 s need "
-                                 "long-form decoding, which this engine does not do yet")
+            if x.numel() > N_FRAMES * HOP_LENGTH:  # the whole recording's log-mel, for long-form
+                return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels, whole=True)
             frames = -(-x.numel() // HOP_LENGTH)
             return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels)[:, :frames]
         return getattr(x, "ndim", None) == 2, x
@@ -286,3 +290,35 @@ class Engine:
             tokens = out[b][:-1] if out[b][-1] == tok.eot else out[b]
             results.append(Transcription(tok.decode(tokens), tokens, languages[b], s))
         return results
+
+    # ---------------------------------------------------------------- long-form
+    def transcribe_long(self, audio, options: TranscribeOptions, seed: int | None = None,
+                        progress=None) -> Transcription:
+        """openai-whisper's long-form `transcribe()` on a recording of any length: `audio` is a
+        1-D 16 kHz waveform, a path, bytes, or the whole recording's log-mel [n_mels, frames]
+        (`log_mel_spectrogram(..., whole=True)`). `progress(seek, frames)` follows the windows.
+        Windows are decoded by the reference window decoder (target only)."""
+        from .audio import load_audio, log_mel_spectrogram
+        from .longform import LongformJob, run_job
+        from .window import ReferenceWindowDecoder, detect_language_reference
+
+        if isinstance(audio, (str, bytes, bytearray, memoryview)) or hasattr(audio, "__fspath__"):
+            audio = load_audio(audio)
+        mel = torch.as_tensor(audio)
+        if mel.ndim == 1:
+            if mel.numel() == 0:
+                raise ValueError("audio is empty (0 samples)")
+            mel = log_mel_spectrogram(mel.float(), n_mels=self.n_mels, whole=True)
+        if mel.ndim != 2 or mel.shape[0] != self.n_mels or mel.shape[1] == 0:
+            raise ValueError(f"long-form input must be audio or a log-mel [{self.n_mels}, frames], "
+                             f"got shape {tuple(mel.shape)}")
+        mel = mel.to(self.device, torch.float32)
+        if not torch.isfinite(mel).all():
+            raise ValueError("mel contains NaN or infinite values")
+        with self._lock, torch.inference_mode():
+            if options.language is None and self.target.tokenizer.multilingual:
+                from dataclasses import replace
+
+                options = replace(options, language=detect_language_reference(self.target, mel))
+            job = LongformJob(mel, self.target.tokenizer, options, seed)
+            return run_job(job, ReferenceWindowDecoder(self.target), progress)
