@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -65,7 +66,8 @@ class LongformJob:
         mit = options.max_initial_timestamp
         self.max_initial_timestamp_index = round(mit / TIME_PRECISION) if mit else -1
 
-        self.seek = 0
+        self.seek = 0  # mel frame where the next window starts
+        self.segment_size = 0  # mel frames of audio in the current window
         self.all_tokens: list[int] = []
         self.all_segments: list[Segment] = []
         self.prompt_reset_since = 0
@@ -108,8 +110,6 @@ class LongformJob:
         return self._request
 
     def _at_attempt(self, request: WindowRequest, attempt: int) -> WindowRequest:
-        from dataclasses import replace
-
         # one seed per (job, window, attempt): reruns reproduce, whatever decodes the window
         seed = int(np.random.SeedSequence([self.seed, request.seek, attempt]).generate_state(1, np.uint64)[0] >> 1)
         return replace(request, temperature=self.options.temperature[attempt], seed=seed)
@@ -198,6 +198,11 @@ class LongformJob:
             # do not feed the prompt tokens if a high temperature was used
             self.prompt_reset_since = len(self.all_tokens)
 
+    @property
+    def retrying(self) -> bool:
+        """The last result failed its checks; next_window() returns the same window, hotter."""
+        return self._retry
+
     # ---------------------------------------------------------------- the result
     def result(self) -> Transcription:
         tokens = self.all_tokens[len(self.initial_prompt_tokens):]
@@ -212,7 +217,7 @@ def run_job(job: LongformJob, decode: Callable[[WindowRequest], WindowResult],
     start = time.perf_counter()
     while (request := job.next_window()) is not None:
         job.record(decode(request))
-        if progress is not None and job._request is None:
+        if progress is not None and not job.retrying:
             progress(min(job.seek, job.content_frames), job.content_frames)
     out = job.result()
     out.stats = Stats(seconds=time.perf_counter() - start)
