@@ -137,13 +137,18 @@ def pad_or_trim(array: torch.Tensor | np.ndarray, length: int = N_SAMPLES, axis:
 
 
 def log_mel_spectrogram(audio: torch.Tensor | np.ndarray, n_mels: int = 80, padding: int = 0,
-                        device: torch.device | str | None = None) -> torch.Tensor:
+                        device: torch.device | str | None = None, whole: bool = False) -> torch.Tensor:
     """Whisper log-mel features `[n_mels, 3000]` (float32) of 16 kHz mono samples.
 
     `audio` is a 1-D float numpy array or tensor; the result lives on `device`, else on the
     tensor's device (cpu for numpy). `padding` zero samples are appended before the 30 s window
     is taken (openai-whisper's argument; the window is zero-padded anyway, so features are
     identical to those of the unpadded audio).
+
+    `whole=True`: the features of the whole recording, `[n_mels, len(audio) // 160]`, for
+    long-form decoding, computed as openai-whisper's `transcribe()` does: 30 s of zeros appended
+    (`padding=N_SAMPLES`), one STFT and one normalization (max - 8 floor) over all of it, then
+    the frames of the recording itself kept.
     """
     if n_mels not in SUPPORTED_N_MELS:
         raise ValueError(f"n_mels must be one of {SUPPORTED_N_MELS}, got {n_mels}")
@@ -158,13 +163,18 @@ def log_mel_spectrogram(audio: torch.Tensor | np.ndarray, n_mels: int = 80, padd
         raise ValueError(f"audio must hold float samples in [-1, 1], got dtype {audio.dtype}")
     if not torch.isfinite(audio).all():
         raise ValueError("audio contains non-finite samples (NaN or inf)")
-    audio = pad_or_trim(F.pad(audio.to(torch.float32), (0, padding)), N_SAMPLES)
+    n_frames = audio.shape[0] // HOP_LENGTH
+    if whole:
+        audio = F.pad(audio.to(torch.float32), (0, N_SAMPLES))
+    else:
+        audio = pad_or_trim(F.pad(audio.to(torch.float32), (0, padding)), N_SAMPLES)
     window, mel_filters = _stft_constants(n_mels, audio.device)
-    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # [201, 3001]
-    power = stft[:, :-1].abs() ** 2  # [201, 3000]
-    log_spec = (mel_filters @ power).clamp(min=1e-10).log10()  # [n_mels, 3000]
+    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # [201, frames + 1]
+    power = stft[:, :-1].abs() ** 2  # [201, frames]
+    log_spec = (mel_filters @ power).clamp(min=1e-10).log10()  # [n_mels, frames]
     log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
-    return (log_spec + 4.0) / 4.0
+    log_spec = (log_spec + 4.0) / 4.0
+    return log_spec[:, :n_frames] if whole else log_spec
 
 
 @functools.lru_cache(maxsize=8)

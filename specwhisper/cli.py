@@ -17,25 +17,59 @@ def model_folder(name: str) -> str:
     return name
 
 
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """"0" -> (0.0,); "0,0.2,0.4" -> a fallback list."""
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature takes a number or a comma list of numbers, got {text!r}") from None
+
+
+OUTPUT_EXTENSIONS = {"txt": "txt", "srt": "srt", "vtt": "vtt", "json": "json", "verbose_json": "verbose.json"}
+
+
 def cmd_transcribe(args) -> int:
+    """Any length: openai-whisper's long-form algorithm (30 s windows, timestamps, fallback)."""
     import torch
     from tqdm import tqdm
 
-    from . import Engine, load_audio, log_mel_spectrogram
+    from . import Engine, load_audio
+    from .config import TranscribeOptions
+    from .formats import render
 
+    options = TranscribeOptions(temperature=args.temperature, language=args.language, task=args.task,
+                                top_p=args.top_p, initial_prompt=args.initial_prompt,
+                                condition_on_previous_text=not args.no_condition_on_previous_text)
+    formats = list(OUTPUT_EXTENSIONS) if args.output_format == "all" else [args.output_format]
     engine = Engine(model_folder(args.target), model_folder(args.draft) if args.draft else None,
                     device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    results = []
-    for path in tqdm(args.audio, disable=len(args.audio) < 2 or args.json, unit="file"):
-        mel = log_mel_spectrogram(load_audio(path), n_mels=engine.n_mels, device=engine.device)
-        out = engine.transcribe(mel, language=args.language, temperature=args.temperature, top_p=args.top_p,
-                                num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        results.append({"file": str(path), "text": out.text, "language": out.language,
-                        "tokens": out.tokens, "stats": out.stats.__dict__})
-        if not args.json:
-            tqdm.write(f"{path}: {out.text}")
+    if args.output_dir is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for path in args.audio:
+        audio = load_audio(path)
+        seconds = len(audio) / 16000
+        with tqdm(total=round(seconds, 2), unit="s", desc=path.name, disable=args.quiet,
+                  bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s audio [{elapsed}<{remaining}]") as bar:
+            def progress(seek: int, frames: int) -> None:
+                bar.update(round(seek / 100, 2) - bar.n)
+
+            out = engine.transcribe_long(audio, options, seed=args.seed, progress=progress)
+        rows.append({"file": str(path), "text": out.text, "language": out.language, "duration": out.duration,
+                     "tokens": out.tokens, "segments": [s.to_dict() for s in out.segments],
+                     "stats": out.stats.__dict__})
+        if args.json:
+            continue
+        for fmt in formats:
+            text = render(out, fmt, task=args.task)
+            if args.output_dir is None:
+                sys.stdout.write(text)
+            else:
+                target = args.output_dir / f"{path.stem}.{OUTPUT_EXTENSIONS[fmt]}"
+                target.write_text(text, encoding="utf-8")
+                print(f"{path}: wrote {target}", file=sys.stderr)
     if args.json:
-        json.dump(results if len(results) > 1 else results[0], sys.stdout, indent=2)
+        json.dump(rows if len(rows) > 1 else rows[0], sys.stdout, indent=2)
         print()
     return 0
 
@@ -160,19 +194,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="specwhisper", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("transcribe", help="transcribe audio files")
+    t = sub.add_parser("transcribe", help="transcribe audio files of any length (segments, timestamps)")
     t.add_argument("audio", nargs="+", type=Path)
     t.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
     t.add_argument("--draft", help="draft model folder (speculative decoding)")
-    t.add_argument("--language", help="language code (default: detect)")
-    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--language", help="language code (default: detect on the first 30 s)")
+    t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
+    t.add_argument("--temperature", type=parse_temperatures, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+                   help="one value, or a comma list tried in turn when a window fails (default 0,0.2,...,1)")
     t.add_argument("--top-p", type=float, default=1.0)
-    t.add_argument("--k", type=int, default=None, help="draft tokens per verify pass (default: adaptive)")
-    t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--max-new-tokens", type=int, default=None)
+    t.add_argument("--seed", type=int, default=None, help="seed of the fallback samples (reproducible output)")
+    t.add_argument("--initial-prompt", default=None, help="text prompting the first window")
+    t.add_argument("--no-condition-on-previous-text", action="store_true",
+                   help="do not prompt each window with the previous windows' text")
+    t.add_argument("--output-format", choices=[*OUTPUT_EXTENSIONS, "all"], default="txt")
+    t.add_argument("--output-dir", type=Path, default=None, help="write <name>.<format> files here (default: stdout)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
-    t.add_argument("--json", action="store_true", help="print JSON with tokens and stats")
+    t.add_argument("--json", action="store_true", help="print JSON with tokens, segments and stats")
     t.set_defaults(func=cmd_transcribe)
 
     d = sub.add_parser("demo", help="whisper-base drafted by tiny.en on the bundled samples")

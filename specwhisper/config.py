@@ -90,3 +90,45 @@ class DecodeOptions:
             raise ValueError(f"num_draft_tokens must be in 1..16 or None, got {self.num_draft_tokens}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+DEFAULT_FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    """Long-form transcription (openai-whisper's `transcribe()` arguments, same defaults)."""
+
+    temperature: tuple = DEFAULT_FALLBACK_TEMPERATURES  # tried in order while a window fails; a float: no fallback
+    compression_ratio_threshold: float | None = 2.4  # gzip ratio above this fails a window (too repetitive)
+    logprob_threshold: float | None = -1.0  # avg_logprob below this fails a window
+    no_speech_threshold: float | None = 0.6  # no_speech_prob above this + a failed logprob test: silence, skipped
+    condition_on_previous_text: bool = True  # previous windows' tokens prompt the next window
+    initial_prompt: str | None = None  # text prompting the first window (names, spelling, style)
+    language: str | None = None  # language code; None: "en" (English-only) or detected on the first 30 s
+    task: str = "transcribe"  # "transcribe" or "translate"
+    top_p: float = 1.0  # nucleus mass kept when sampling (1.0: openai's plain sampling)
+    max_initial_timestamp: float | None = 1.0  # seconds: latest first timestamp of a window; None: no limit
+    timestamps: bool = True  # predict timestamp tokens (segments); False: one segment per window
+
+    def __post_init__(self):
+        temps = self.temperature
+        temps = (temps,) if isinstance(temps, (int, float)) else tuple(temps)
+        if not temps:
+            raise ValueError("temperature needs at least one value")
+        for t in temps:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < float("inf"):
+                raise ValueError(f"temperatures must be finite numbers >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", tuple(float(t) for t in temps))
+        if self.task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_initial_timestamp is not None and not 0.0 <= self.max_initial_timestamp <= 30.0:
+            raise ValueError(f"max_initial_timestamp must be in [0, 30] seconds or None, got {self.max_initial_timestamp}")
+        if self.no_speech_threshold is not None and not 0.0 <= self.no_speech_threshold <= 1.0:
+            raise ValueError(f"no_speech_threshold must be a probability in [0, 1] or None, got {self.no_speech_threshold}")
+        if self.compression_ratio_threshold is not None and not self.compression_ratio_threshold > 0.0:
+            raise ValueError(f"compression_ratio_threshold must be > 0 or None, got {self.compression_ratio_threshold}")
+        if self.logprob_threshold is not None and self.logprob_threshold != self.logprob_threshold:
+            raise ValueError("logprob_threshold must be a number or None")

@@ -15,10 +15,10 @@ import time
 import numpy as np
 import torch
 
-from .config import DecodeOptions
+from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from .decoding import LoadedModel
 from .draft import DraftLength, Drafter
-from .jobs import ShortJob
+from .jobs import LongformRequest, ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .runner import MAX_K, Runner
 from .scheduler import Request, RequestFuture, Scheduler
@@ -71,17 +71,64 @@ class Engine:
         return self.target.config.num_mel_bins
 
     # ---------------------------------------------------------------- public API
-    def transcribe(self, mel, language: str | None = None, task: str = "transcribe",
-                   temperature: float = 0.0, top_p: float = 1.0, num_draft_tokens: int | None = None,
-                   max_new_tokens: int | None = None, seed: int | None = None):
-        """Decode `mel` [n_mels, frames] (or a waveform, path, bytes) -> Transcription, or a batch
-        [batch, n_mels, frames] -> a list."""
-        single, futures = self._submit(mel, DecodeOptions(language, task, temperature, top_p,
-                                                          num_draft_tokens, max_new_tokens, seed))
+    def transcribe(self, x, language: str | None = None, task: str = "transcribe",
+                   temperature: float | tuple[float, ...] | None = None, top_p: float = 1.0,
+                   num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
+                   seed: int | None = None, initial_prompt: str | None = None,
+                   condition_on_previous_text: bool = True, timestamps: bool | None = None):
+        """Decode `x` -> a Transcription (a list of them for a batch mel or a list of inputs).
+
+        `x`: a path or encoded bytes, a 1-D 16 kHz waveform, a log-mel [n_mels, frames] or a batch
+        [batch, n_mels, frames], or a list of these. Input of at most 30 s decodes as one window
+        (Whisper's standard prompt, no timestamps); longer input, or `timestamps=True`, runs
+        openai-whisper's long-form algorithm (segments with timestamps, `initial_prompt`,
+        `condition_on_previous_text`, temperature fallback). `temperature`: None is Whisper's
+        default for the input (0.0 for one window; (0.0, 0.2, ..., 1.0) for long-form); a tuple
+        is a fallback list (long-form)."""
+        kwargs = dict(language=language, task=task, temperature=temperature, top_p=top_p,
+                      num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, seed=seed,
+                      initial_prompt=initial_prompt, condition_on_previous_text=condition_on_previous_text,
+                      timestamps=timestamps)
+        if isinstance(x, (list, tuple)):
+            if not x:
+                raise ValueError("the input list is empty")
+            futures = [f for item in x for f in self._submit(item, **kwargs)[1]]
+            single = False
+        else:
+            single, futures = self._submit(x, **kwargs)
         if not self.background:
             self.run_until(futures)
         results = [f.result() for f in futures]
         return results[0] if single else results
+
+    def submit(self, x, language: str | None = None, task: str = "transcribe",
+               temperature: float | tuple[float, ...] | None = None, top_p: float = 1.0,
+               num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
+               seed: int | None = None, initial_prompt: str | None = None,
+               condition_on_previous_text: bool = True, timestamps: bool | None = None,
+               progress=None) -> RequestFuture:
+        """Queue one input for decoding -> a Future of its Transcription (arguments as in
+        `transcribe`). Requests submitted concurrently are decoded together; `future.cancel()`
+        frees a request's slot. `progress(seek, frames)` follows a long-form request's windows."""
+        single, futures = self._submit(x, language=language, task=task, temperature=temperature, top_p=top_p,
+                                       num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
+                                       seed=seed, initial_prompt=initial_prompt,
+                                       condition_on_previous_text=condition_on_previous_text,
+                                       timestamps=timestamps, progress=progress)
+        if not single:
+            raise ValueError("submit takes one input; submit each row of a batch separately")
+        return futures[0]
+
+    def transcribe_long(self, audio, options, seed: int | None = None, progress=None) -> Transcription:
+        """openai-whisper's long-form `transcribe()` with `TranscribeOptions` on a recording of any
+        length (audio, a path, bytes, or the whole recording's log-mel [n_mels, frames])."""
+        single, mel = self._as_mel(audio, whole=True)
+        if not single:
+            raise ValueError("transcribe_long takes one recording")
+        future = self._enqueue(self._longform_job(mel, options, seed, None, progress))
+        if not self.background:
+            self.run_until([future])
+        return future.result()
 
     def run_until(self, futures) -> None:
         """background=False: run iterations in this thread until every future is done."""
@@ -106,8 +153,31 @@ class Engine:
         return futures[0]
 
     # ---------------------------------------------------------------- requests
-    def _submit(self, x, opts: DecodeOptions) -> tuple[bool, list[RequestFuture]]:
-        single, mel = self._as_mel(x)
+    def _submit(self, x, language=None, task="transcribe", temperature=None, top_p=1.0, num_draft_tokens=None,
+                max_new_tokens=None, seed=None, initial_prompt=None, condition_on_previous_text=True,
+                timestamps=None, progress=None) -> tuple[bool, list[RequestFuture]]:
+        single, mel = self._as_mel(x, whole=bool(timestamps))
+        long = single and (mel.shape[-1] > N_FRAMES or bool(timestamps))
+        if long or initial_prompt is not None or isinstance(temperature, (tuple, list)):
+            if not single:
+                raise ValueError("long-form options (timestamps, initial_prompt, a temperature list) apply "
+                                 "to one recording at a time; pass a list of recordings instead of a batch mel")
+            if max_new_tokens is not None:
+                raise ValueError("max_new_tokens applies to one 30 s window; long-form input decodes every window")
+            if timestamps is False:
+                raise ValueError("audio longer than 30 s is decoded with timestamps (openai-whisper's "
+                                 "long-form algorithm); timestamps=False is only for single windows")
+            from .config import TranscribeOptions
+
+            temps = DEFAULT_FALLBACK if temperature is None else temperature
+            options = TranscribeOptions(temperature=temps, language=language, task=task, top_p=top_p,
+                                        initial_prompt=initial_prompt,
+                                        condition_on_previous_text=condition_on_previous_text)
+            if num_draft_tokens is not None:
+                DecodeOptions(num_draft_tokens=num_draft_tokens)  # validates k
+            return True, [self._enqueue(self._longform_job(mel, options, seed, num_draft_tokens, progress))]
+        opts = DecodeOptions(language, task, 0.0 if temperature is None else temperature, top_p,
+                             num_draft_tokens, max_new_tokens, seed)
         batch = self._check_mel(mel)
         tok = self.target.tokenizer
         if opts.language is not None or not tok.multilingual:
@@ -121,10 +191,25 @@ class Engine:
         futures = []
         for i, row in enumerate(batch):
             # row i of a batch samples with seed + i: rows differ, and each row reproduces
-            seed = opts.seed + i if opts.seed is not None else random.getrandbits(62)
-            job = ShortJob(row, frames / FRAMES_PER_SECOND, opts, tok, limit, seed)
+            seed_i = opts.seed + i if opts.seed is not None else random.getrandbits(62)
+            job = ShortJob(row, frames / FRAMES_PER_SECOND, opts, tok, limit, seed_i)
             futures.append(self._enqueue(job))
         return single, futures
+
+    def _longform_job(self, mel, options, seed, num_draft_tokens, progress) -> LongformRequest:
+        from .audio import log_mel_spectrogram  # noqa: F401 (the whole-recording mel comes from _as_mel)
+
+        if mel.ndim != 2 or mel.shape[0] != self.n_mels or mel.shape[1] == 0:
+            raise ValueError(f"long-form input must be audio or a log-mel [{self.n_mels}, frames], "
+                             f"got shape {tuple(mel.shape)}")
+        mel = mel.to(self.device, torch.float32)
+        if not torch.isfinite(mel).all():
+            raise ValueError("mel contains NaN or infinite values")
+        tok = self.target.tokenizer
+        if options.language is not None or not tok.multilingual:
+            tok.prompt(options.language, options.task)  # validates language and task before any work
+        seed = seed if seed is not None else random.getrandbits(62)
+        return LongformRequest(mel, options, tok, seed, num_draft_tokens, progress)
 
     def _enqueue(self, job) -> RequestFuture:
         future = RequestFuture()
@@ -199,7 +284,7 @@ class Engine:
         return max(0, min(k, MAX_K, room)), rule
 
     # ---------------------------------------------------------------- input checks
-    def _as_mel(self, x) -> tuple[bool, torch.Tensor]:
+    def _as_mel(self, x, whole: bool = False) -> tuple[bool, torch.Tensor]:
         """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames]).
         Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a log-mel here."""
         from .audio import HOP_LENGTH, load_audio, log_mel_spectrogram
@@ -211,9 +296,8 @@ class Engine:
         if isinstance(x, torch.Tensor) and x.ndim == 1:
             if x.numel() == 0:
                 raise ValueError("audio is empty (0 samples)")
-            if x.numel() > N_FRAMES * HOP_LENGTH:
-                raise ValueError(f"audio is {x.numel() / 16000:.1f} s long; inputs longer than 30 s need "
-                                 "long-form decoding, which this engine does not do yet")
+            if whole or x.numel() > N_FRAMES * HOP_LENGTH:  # the whole recording's log-mel: long-form
+                return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels, whole=True)
             frames = -(-x.numel() // HOP_LENGTH)
             return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels)[:, :frames]
         return getattr(x, "ndim", None) == 2, x

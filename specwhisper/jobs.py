@@ -43,3 +43,73 @@ class ShortJob:
                           no_speech_prob=self.output.no_speech_prob)
         return Transcription(text, tokens, self.language if self.tok.multilingual else None,
                              segments=[segment], duration=self.duration)
+
+
+class LongformRequest:
+    """A long-form request for the scheduler: openai-whisper's seek loop (`LongformJob`), its
+    windows decoded by the runner (speculative inside each window when a draft is given).
+
+    The job is made once the language is known: with `options.language` None on a multilingual
+    target, the first window goes out with language None, the scheduler detects it from that
+    window's encoder output, and the job starts with it (openai detects on the first 30 s too).
+    A window's encoder output is kept for its fallback retries."""
+
+    def __init__(self, mel_full, options, tokenizer, seed: int, num_draft_tokens, progress=None):
+        from .audio import N_FRAMES, pad_or_trim
+
+        self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
+        self.k, self.progress = num_draft_tokens, progress
+        self.job = None
+        self.request = None  # the WindowRequest being decoded
+        self.kept = (None, None)  # (seek, encoder output) of the last window
+        self.first_mel = pad_or_trim(mel_full[:, :min(N_FRAMES, mel_full.shape[-1])], N_FRAMES)
+
+    def _start(self, language):
+        from dataclasses import replace
+
+        from .longform import LongformJob
+
+        options = self.options
+        if language is not None and options.language is None:
+            options = replace(options, language=language)
+        self.job = LongformJob(self.mel_full, self.tok, options, self.seed)
+
+    def next_window(self) -> Window | None:
+        if self.job is None and self.options.language is None and self.tok.multilingual:
+            return Window(self.first_mel, self._first_spec, None)
+        if self.job is None:
+            self._start(None)
+        self.request = self.job.next_window()
+        if self.request is None:
+            return None
+        seek, features = self.kept
+        return Window(self.request.mel, self._spec, self.request.language,
+                      features if seek == self.request.seek else None)
+
+    def _first_spec(self, language) -> SeqSpec:
+        self._start(language)
+        self.request = self.job.next_window()
+        return self._spec(language)
+
+    def _spec(self, language) -> SeqSpec:
+        r = self.request
+        prompt = list(r.prompt)
+        max_new = min(r.max_new_tokens, 449 - len(prompt))  # openai stops past 448 tokens
+        return SeqSpec(prompt, r.language or "en", r.task, max_new, r.temperature, r.top_p, r.seed,
+                       timestamps=r.timestamps, max_initial_timestamp=r.max_initial_timestamp,
+                       num_draft_tokens=self.k, sot_index=prompt.index(self.tok.sot), need_logprobs=True)
+
+    def keep_features(self, features) -> None:
+        self.kept = (self.request.seek if self.request is not None else 0, features)
+
+    def record(self, output: SeqOutput, language: str | None) -> None:
+        from .window import WindowResult
+
+        tokens = output.tokens
+        self.job.record(WindowResult(tokens, output.sum_logprob, output.sum_logprob / (len(tokens) + 1),
+                                     output.no_speech_prob, self.request.temperature, self.request.language))
+        if self.progress is not None and not self.job.retrying:
+            self.progress(min(self.job.seek, self.job.content_frames), self.job.content_frames)
+
+    def result(self) -> Transcription:
+        return self.job.result()

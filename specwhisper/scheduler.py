@@ -93,6 +93,8 @@ class Scheduler:
             feats = self.runner.encode(torch.stack([r.window.mel for r in fresh]))
             for r, f in zip(fresh, feats):
                 r.window.features = f
+                if hasattr(r.job, "keep_features"):  # fallback retries reuse the encoder output
+                    r.job.keep_features(f)
         detect = [r for r in joining if r.window.language is None and self.runner.target.tokenizer.multilingual]
         if detect:
             codes = self.runner.detect_language(torch.stack([r.window.features for r in detect]))

@@ -5,6 +5,7 @@ vocabularies, so nothing here hard-codes an id.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,3 +88,84 @@ class Tokenizer:
 
     def decode(self, tokens) -> str:
         return self.backend.decode([t for t in tokens if t < self.eot], skip_special_tokens=True).strip()
+
+    # ------------------------------------------------------------ timestamps, prompts, segments
+    # (openai-whisper's tokenizer concepts; long-form decoding builds on these)
+    def _special(self, *names: str) -> int | None:
+        return next((t for t in map(self.backend.token_to_id, names) if t is not None), None)
+
+    @functools.cached_property
+    def timestamp_begin(self) -> int:
+        """<|0.00|>: timestamps are this id + index, 0.02 s apart. They follow <|notimestamps|>
+        in every Whisper vocabulary (some tokenizer.json files, e.g. converted English-only
+        ones, do not spell them out)."""
+        tid = self._special("<|0.00|>")
+        return tid if tid is not None else self.no_timestamps + 1
+
+    @functools.cached_property
+    def sot_prev(self) -> int:
+        return self._special("<|startofprev|>")
+
+    @functools.cached_property
+    def sot_lm(self) -> int | None:
+        return self._special("<|startoflm|>")
+
+    @functools.cached_property
+    def no_speech(self) -> int | None:
+        """<|nospeech|> (v3) or <|nocaptions|>; its probability at the <|startoftranscript|>
+        position is `no_speech_prob`."""
+        return self._special("<|nospeech|>", "<|nocaptions|>")
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> BPE token ids, no special tokens added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode_text(self, tokens) -> str:
+        """openai-whisper's `decode`: timestamps and special tokens dropped, nothing stripped."""
+        return self.backend.decode([t for t in tokens if t < self.eot], skip_special_tokens=False)
+
+    def sot_sequence(self, language: str | None, task: str) -> list[int]:
+        """`<|startoftranscript|>[<|lang|><|task|>]`: the prompt that lets timestamps be predicted."""
+        return self.prompt(language, task)[:-1]
+
+    def window_prompt(self, previous: list[int], language: str | None, task: str, timestamps: bool,
+                      max_previous: int = 223) -> list[int]:
+        """The decoder prefix of one long-form window, as openai's `DecodingTask` builds it:
+        `<|startofprev|>` + the last `max_previous` (n_text_ctx // 2 - 1) previous tokens when
+        there are any, then the sot sequence (+ <|notimestamps|> without timestamps)."""
+        sot = self.sot_sequence(language, task) if timestamps else self.prompt(language, task)
+        if not previous:
+            return sot
+        return [self.sot_prev, *previous[-max_previous:], *sot]
+
+    def openai_suppress_tokens(self) -> tuple[int, ...]:
+        """openai-whisper's `suppress_tokens="-1"`: non-speech symbols (speaker tags, music
+        notes, brackets) plus the task, sot, sot_prev, sot_lm and no-speech tokens."""
+        symbols = list('"#()*+/:;<=>@[\\]^_`{|}~「」『』')
+        symbols += "<< >> <<< >>> -- --- -( -[ (' (\" (( )) ((( ))) [[ ]] {{ }} ♪♪ ♪♪♪".split()
+        miscellaneous = set("♩♪♫♬♭♮♯")  # multi-token on some vocabularies: their first token
+        result = {self.encode(" -")[0], self.encode(" '")[0]}
+        for symbol in symbols + sorted(miscellaneous):
+            for tokens in (self.encode(symbol), self.encode(" " + symbol)):
+                if len(tokens) == 1 or symbol in miscellaneous:
+                    result.add(tokens[0])
+        result |= {*self.task_ids.values(), self.sot, self.sot_prev}
+        result |= {t for t in (self.sot_lm, self.no_speech) if t is not None}
+        return tuple(sorted(result))
+
+
+def split_at_timestamps(tokens: list[int], timestamp_begin: int) -> tuple[list[tuple[int, int]], bool]:
+    """openai-whisper's segment split of one window's tokens: `(slices, single_timestamp_ending)`.
+
+    slices: [start, end) ranges of `tokens`, one per segment, cut after each pair of consecutive
+    timestamps (and at the end when the window ends in a single timestamp); empty when no two
+    timestamps are consecutive. single_timestamp_ending: the tokens end text, timestamp."""
+    is_ts = [t >= timestamp_begin for t in tokens]
+    single_timestamp_ending = is_ts[-2:] == [False, True]
+    cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+    if not cuts:
+        return [], single_timestamp_ending
+    if single_timestamp_ending:
+        cuts.append(len(tokens))
+    starts = [0] + cuts[:-1]
+    return list(zip(starts, cuts)), single_timestamp_ending

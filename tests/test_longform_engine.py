@@ -1,0 +1,72 @@
+"""Long-form through the engine (runner + scheduler): equal to openai-whisper's `transcribe()` on
+real base weights, and speculative long-form (tiny.en and self drafts) equal to target-only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import real_folder
+from specwhisper import Engine
+from test_longform import assert_same
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    from whisper_ref import flite_recording
+
+    try:
+        audio, _ = flite_recording(tmp_path_factory.mktemp("longform-engine"), 62.0, seed=3)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return audio
+
+
+@pytest.fixture(scope="module")
+def openai_base():
+    from whisper_ref import openai_whisper
+
+    return openai_whisper(real_folder("base"))
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_engine_longform_equals_openai_whisper_and_speculation_is_exact(openai_base, recording):
+    import whisper
+
+    ref = whisper.transcribe(openai_base, recording, language="en", fp16=False)
+    base, tiny = real_folder("base"), real_folder("tiny.en")
+    plain = Engine(base).transcribe(recording, language="en")
+    assert_same(plain, ref)
+    assert plain.duration == pytest.approx(len(recording) / 16000, abs=0.01)
+    for draft in (tiny, base):
+        spec = Engine(base, draft).transcribe(recording, language="en", num_draft_tokens=4)
+        assert_same(spec, ref)
+        assert spec.stats.drafted > 0 and spec.stats.accepted > 0
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_engine_longform_initial_prompt_no_conditioning(openai_base, recording):
+    import whisper
+
+    prompt = "Trains, museums and frogs."
+    ref = whisper.transcribe(openai_base, recording, language="en", fp16=False, temperature=0.0,
+                             condition_on_previous_text=False, initial_prompt=prompt)
+    out = Engine(real_folder("base"), real_folder("base")).transcribe(
+        recording, language="en", temperature=0.0, condition_on_previous_text=False, initial_prompt=prompt)
+    assert_same(out, ref)
+
+
+def test_fallback_is_triggered_and_reproducible(multilingual):
+    """Noise on a random model fails the logprob check: windows are retried at higher temperatures
+    (recorded per segment), and the same seed reproduces the transcript, with or without a draft."""
+    torch.manual_seed(1)
+    audio = (0.3 * torch.randn(16000 * 40)).numpy()
+    kw = dict(language="en", temperature=(0.0, 0.5, 1.0), seed=3)
+    a = Engine(multilingual).transcribe(audio, **kw)
+    b = Engine(multilingual, multilingual).transcribe(audio, num_draft_tokens=3, **kw)
+    assert any(s.temperature > 0 for s in a.segments)
+    assert [(s.tokens, s.temperature, s.start, s.end) for s in a.segments] == \
+        [(s.tokens, s.temperature, s.start, s.end) for s in b.segments]
+    c = Engine(multilingual).transcribe(audio, **{**kw, "seed": 4})
+    assert c.tokens != a.tokens
