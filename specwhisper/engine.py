@@ -141,17 +141,6 @@ class Engine:
                     with self._cond:
                         self.scheduler.fail_all(exc)
 
-    def submit(self, x, language: str | None = None, task: str = "transcribe", temperature: float = 0.0,
-               top_p: float = 1.0, num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
-               seed: int | None = None) -> RequestFuture:
-        """Queue one input for decoding -> a Future of its Transcription. Requests submitted
-        concurrently are decoded together; `future.cancel()` frees a request's slot."""
-        single, futures = self._submit(x, DecodeOptions(language, task, temperature, top_p,
-                                                        num_draft_tokens, max_new_tokens, seed))
-        if not single:
-            raise ValueError("submit takes one input; submit each row of a batch separately")
-        return futures[0]
-
     # ---------------------------------------------------------------- requests
     def _submit(self, x, language=None, task="transcribe", temperature=None, top_p=1.0, num_draft_tokens=None,
                 max_new_tokens=None, seed=None, initial_prompt=None, condition_on_previous_text=True,

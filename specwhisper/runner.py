@@ -299,7 +299,7 @@ class Runner:
         hidden = ddec.hidden(feed, src, self.dcache_view(B), kv_len=kv_len)[:, -1:]
         raws = []
         for step in range(k):
-            x = self.draft_choose(hidden, slots, self.n_tokens[:B] - 1 + step, modes[1])  # [B]
+            x = self.draft_choose(hidden, slots, self.n_tokens[:B] - 1 + step, modes, raws)  # [B]
             raws.append(x)
             if step + 1 < k:
                 pos = (dn + step)[:, None]
@@ -319,14 +319,23 @@ class Runner:
     def dcache_view(self, B: int) -> DecoderCache:
         return DecoderCache(*(t[:, :B] for t in self.dcache.buffers()))
 
-    def draft_choose(self, hidden, slots, index, full) -> torch.Tensor:
+    def draft_choose(self, hidden, slots, index, modes, raws) -> torch.Tensor:
         """The draft's proposal [B] from hidden [B, 1, d]: its greedy argmax, or its race winner
-        under the target's noise (keyed by target ids) for sampled rows."""
+        under the target's noise (keyed by target ids) for sampled rows. A draft with the
+        target's vocabulary follows the timestamp rules too, given its own proposals `raws` so
+        far (another vocabulary only suppresses: its proposals are verified all the same)."""
         d = self.drafter
         banned = d.draft.suppress
-        if not full:
+        if not modes[1]:
             return d.greedy(hidden, banned)[:, 0]
-        logits = d.draft.model.decoder.logits(hidden[:, 0]).float().masked_fill_(banned, -float("inf"))
+        raw = d.draft.model.decoder.logits(hidden[:, 0]).float()
+        logits = raw.masked_fill(banned, -float("inf"))
+        if modes[2] and d.vocab.identity:
+            predicted = (index + 1)[:, None]
+            at_begin = predicted == self.prompt_len[slots][:, None]
+            prefix = torch.stack(raws, dim=1) if raws else None
+            ruled = self.timestamp_rules(raw[:, None], slots, predicted, at_begin, prefix)[:, 0]
+            logits = torch.where(self.timestamps[slots][:, None], ruled, logits)
         return sampling_race(logits, self.temperature[slots], self.top_p[slots], self.seed[slots],
                              index + 1, self.noise_ids)
 
