@@ -40,19 +40,32 @@ class LoadedModel:
         suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
+        # float32 models: greedy reads a bfloat16 copy of the head, exactly (see head.py); other
+        # dtypes read their own head directly
         head = ScreenedHead(model.decoder.embed_tokens.weight) if dtype == torch.float32 else None
         return cls(model, tok, path, suppress, begin, head)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Decoder hidden states [B, T, d] -> float32 logits [B, T, V] (no suppression)."""
+        return self.model.decoder.logits(hidden)
+
+    def greedy(self, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [B, T] from hidden [B, T, d], never a `banned` token ([B, T, V] or [V]
+        bool): exactly `logits(hidden).masked_fill(banned, -inf).argmax(-1)`, ties to the lowest id."""
+        B, T, d = hidden.shape
+        if self.head is not None:
+            rows_banned = banned if banned.ndim == 1 else banned.reshape(B * T, -1)
+            return self.head.argmax(hidden.reshape(B * T, d), rows_banned).view(B, T)
+        return self.logits(hidden).masked_fill_(banned, -float("inf")).argmax(dim=-1)
 
     def pick(self, hidden: torch.Tensor, first: bool, temperature: float, top_p: float, generator):
         """Tokens [B, T] from decoder hidden states [B, T, d]; also the suppressed float32 logits
         [B, T, V] when sampling (None when greedy: the screened head never forms them)."""
         banned = self.begin_suppress if first else self.suppress
         B, T, d = hidden.shape
-        if temperature == 0.0 and self.head is not None:
-            return self.head.argmax(hidden.reshape(B * T, d), banned).view(B, T), None
-        logits = self.model.decoder.logits(hidden).float().masked_fill_(banned, -float("inf"))
         if temperature == 0.0:
-            return logits.argmax(dim=-1), None
+            return self.greedy(hidden, banned), None
+        logits = self.logits(hidden).masked_fill_(banned, -float("inf"))
         flat = logits.reshape(B * T, -1)
         return sampling.sample(flat, temperature, top_p, generator).view(B, T), logits
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_ops
 from .config import WhisperConfig
 
 
@@ -145,6 +146,24 @@ class DecoderLayer(nn.Module):
         x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), cross_k, cross_v)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
+    def forward_rows(self, x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v):
+        """`forward` with the CPU decode ops (`cpu_ops`): the same results to float rounding, and
+        each row's result independent of the other rows and of T. n_self / n_cross [B, T]: how
+        many cache slots each query reads (slots 0..n-1)."""
+        sa, ca = self.self_attn, self.encoder_attn
+        B, T, _ = x.shape
+        H, Dh = sa.n_heads, sa.head_dim
+        qkv = cpu_ops.linear(self.self_attn_layer_norm(x), sa.fused_weight, sa.fused_bias)
+        q, k, v = qkv.view(B, T, 3, H, Dh).unbind(2)  # [B, T, H, Dh] each
+        cpu_ops.kv_write(self_k, self_v, k, v, write_pos)
+        a = cpu_ops.attention(q, self_k, self_v, n_self, Dh**-0.5)
+        x = x + cpu_ops.linear(a, sa.out_proj.weight, sa.out_proj.bias)
+        q = cpu_ops.linear(self.encoder_attn_layer_norm(x), ca.q_proj.weight, ca.q_proj.bias)
+        a = cpu_ops.attention(q.view(B, T, H, Dh), cross_k, cross_v, n_cross, Dh**-0.5)
+        x = x + cpu_ops.linear(a, ca.out_proj.weight, ca.out_proj.bias)
+        h = F.gelu(cpu_ops.linear(self.final_layer_norm(x), self.fc1.weight, self.fc1.bias))
+        return x + cpu_ops.linear(h, self.fc2.weight, self.fc2.bias)
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: WhisperConfig):
@@ -174,18 +193,29 @@ class Decoder(nn.Module):
         b = tokens.shape[0]
         last = self.embed_positions.num_embeddings - 1  # the last real position (447)
         s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
-        slots = torch.arange(s, device=tokens.device)
-        # a query reads real slots up to its position, never the scratch slot
-        mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
         write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, write_pos, mask, cache.self_k[i, :b, :, :s], cache.self_v[i, :b, :, :s],
-                      cache.cross_k[i, :b], cache.cross_v[i, :b])
+        layers = zip(self.layers, cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s],
+                     cache.cross_k[:, :b], cache.cross_v[:, :b])
+        if cpu_ops.active(x) and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
+            # a query reads real slots up to its position, never the scratch slot
+            n_self = input_pos.clamp(max=min(last, s - 1)) + 1  # [B, T]
+            n_cross = torch.full_like(input_pos, cache.cross_k.shape[3])
+            write_pos = write_pos.contiguous()
+            for layer, self_k, self_v, cross_k, cross_v in layers:
+                x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
+            return self.layer_norm(x)
+        slots = torch.arange(s, device=tokens.device)
+        mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
+        for layer, self_k, self_v, cross_k, cross_v in layers:
+            x = layer(x, write_pos, mask, self_k, self_v, cross_k, cross_v)
         return self.layer_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.embed_tokens.weight.T  # tied output head
+        """hidden [..., d] -> float32 logits [..., vocab] (tied output head, float32 accumulation)."""
+        if cpu_ops.active(hidden):
+            return cpu_ops.linear(hidden, self.embed_tokens.weight, None, torch.float32)
+        return (hidden @ self.embed_tokens.weight.T).float()
 
     def forward(self, tokens, input_pos, cache, kv_len=None) -> torch.Tensor:
         """tokens [B, T], input_pos [B, T] -> logits [B, T, vocab]."""
