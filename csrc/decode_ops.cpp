@@ -210,6 +210,66 @@ at::Tensor gather_dot(const at::Tensor& x, const at::Tensor& weight, const at::T
   return out;
 }
 
+// Exact greedy argmax through a bfloat16 screen (spec: specwhisper/head.py ScreenedHead):
+// approximate logits from the bfloat16 weights, bound b_v = fl(fl(slack * |h|) * |w_v|) + tiny,
+// candidates v with fl(l~_v + b_v) >= max_w fl(l~_w - b_w), exact float32 logits of the
+// candidates (the same per-element arithmetic as linear_rows), argmax with ties to the lowest
+// id. banned: bool [V] or [N, V]. Any number of candidates: no fallback needed.
+at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& low, const at::Tensor& weight,
+                           const at::Tensor& row_norm, double slack, double tiny, const c10::optional<at::Tensor>& banned) {
+  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.is_contiguous() && weight.scalar_type() == at::kFloat &&
+              weight.is_contiguous() && low.sizes() == weight.sizes(), "screened_argmax: low bf16 / weight f32 [V, d]");
+  const int64_t V = weight.size(0), K = weight.size(1);
+  at::Tensor h = as_float_rows(hidden);
+  TORCH_CHECK(h.size(1) == K, "screened_argmax: hidden has ", h.size(1), " features, expected ", K);
+  const int64_t N = h.size(0);
+  at::Tensor norms = row_norm.to(at::kFloat).contiguous();
+  at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
+  at::Tensor approx = at::empty({N, V}, h.options());
+  matmul_rows(h.data_ptr<float>(), N, K, reinterpret_cast<const bf16*>(low.data_ptr()), V, approx.data_ptr<float>());
+  const bool* bp = nullptr;
+  int64_t banned_stride = 0;
+  at::Tensor bc;
+  if (banned.has_value()) {
+    bc = banned->to(at::kBool).contiguous();
+    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)), "screened_argmax: banned must be [V] or [N, V]");
+    bp = bc.data_ptr<bool>();
+    banned_stride = bc.dim() == 2 ? V : 0;
+  }
+  at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
+  const float* ap = approx.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  const float* hp = h.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool vec = has_avx2();
+  const float tiny_f = static_cast<float>(tiny), slack_f = static_cast<float>(slack);
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = ap + r * V;
+      const bool* bn = bp ? bp + r * banned_stride : nullptr;
+      const float scale = hnorm.data_ptr<float>()[r] * slack_f;
+      float floor = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        if (bn && bn[v]) continue;
+        floor = std::max(floor, a[v] - (scale * np[v] + tiny_f));
+      }
+      int64_t best_id = -1;
+      float best = -INFINITY;
+      const float* x = hp + r * K;
+      for (int64_t v = 0; v < V; ++v) {
+        if (bn && bn[v]) continue;
+        if (a[v] + (scale * np[v] + tiny_f) >= floor) {
+          const float exact = vec ? dot_avx2(x, wp + v * K, K) : dot_scalar(x, wp + v * K, K);
+          if (best_id < 0 || exact > best) best = exact, best_id = v;  // ascending ids: ties keep the lowest
+        }
+      }
+      op[r] = best_id < 0 ? 0 : best_id;  // every token banned: 0, like argmax over all -inf
+    }
+  });
+  return out;
+}
+
 // ------------------------------------------------------------------ attention
 // exp for softmax weights: Cephes-style range reduction and polynomial, identical in the vector
 // and scalar forms (no FMA contraction in the scalar form: explicit operations only).
@@ -395,6 +455,7 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
+  m.def("screened_argmax(Tensor hidden, Tensor low, Tensor weight, Tensor row_norm, float slack, float tiny, Tensor? banned) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
 }
@@ -402,6 +463,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
 TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("gather_dot", &gather_dot);
+  m.impl("screened_argmax", &screened_argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
 }

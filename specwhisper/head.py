@@ -18,9 +18,10 @@ and of the bound itself. Comparisons then need no margin: rounding is monotone, 
 fl(l̃_v + b_v) ≥ l_v and fl(l̃_w − b_w) ≤ l_w. A token is a candidate when its upper bound reaches
 the best lower bound over the row; the true argmax always is one.
 
-Vectorised: the candidates are the top `MAX_CANDIDATES` upper bounds per row (checked: the next
+In PyTorch (`argmax_reference`) the candidates are the top `MAX_CANDIDATES` upper bounds per row (checked: the next
 upper bound must fall below the row's best lower bound, else that row falls back to the full
-float32 head). Ties go to the lowest token id, like `torch.argmax` over the full logits.
+float32 head); the C++ op (`cpu_ops.screened_argmax`) screens each row in two passes and keeps
+any number of candidates. Ties go to the lowest token id, like `torch.argmax` over the full logits.
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ class ScreenedHead:
     def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, d] -> [N]: argmax over the vocabulary of the float32 logits hidden @ weight.T,
         skipping `banned` ([V] or [N, V] bool), ties to the lowest id."""
+        if cpu_ops.active(hidden):  # the same algorithm in one C++ op (any number of candidates)
+            return cpu_ops.screened_argmax(hidden, self.low, self.weight, self.row_norm, self.slack, TINY, banned)
+        return self.argmax_reference(hidden, banned)
+
+    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         hidden = hidden.float()
         approx = cpu_ops.linear(hidden, self.low, None, torch.float32)  # [N, V]
         bound = (hidden.norm(dim=1, keepdim=True) * self.slack) * self.row_norm + TINY
