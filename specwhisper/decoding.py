@@ -48,9 +48,10 @@ class LoadedModel:
         suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
-        # float32 models: greedy reads a bfloat16 copy of the head, exactly (see head.py); other
-        # dtypes read their own head directly
-        head = ScreenedHead(model.decoder.embed_tokens.weight) if dtype == torch.float32 else None
+        # float32 models on the CPU: greedy reads a bfloat16 copy of the head, exactly (see
+        # head.py); other dtypes and devices read their own head directly
+        screened = dtype == torch.float32 and torch.device(device).type == "cpu"
+        head = ScreenedHead(model.decoder.embed_tokens.weight) if screened else None
         return cls(model, tok, path, suppress, begin, head)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

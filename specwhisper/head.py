@@ -91,7 +91,10 @@ class SubsetHead:
         self.weight = weight[keep].contiguous()  # [N, d]
 
     def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
-        logits = cpu_ops.linear(hidden, self.weight, None, torch.float32)  # [rows, N]
+        if cpu_ops.active(hidden):
+            logits = cpu_ops.linear(hidden, self.weight, None, torch.float32)  # [rows, N]
+        else:
+            logits = hidden @ self.weight.T
         if banned is not None:
             logits.masked_fill_(banned[..., self.keep], -float("inf"))
         return self.keep[logits.argmax(dim=-1)]
