@@ -182,16 +182,22 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def fill_cross(self, cache: DecoderCache, audio_features: torch.Tensor, rows: slice = slice(None)):
-        """Compute cross-attention K/V once per utterance into the cache rows `rows`."""
-        for i, layer in enumerate(self.layers):
-            attn = layer.encoder_attn
-            if cpu_ops.active(audio_features) and attn.k_proj.weight.dtype == torch.bfloat16:
-                # torch's bfloat16 GEMM is slow without native bf16 arithmetic; same rounding
-                k, v = (attn.heads(cpu_ops.linear(audio_features, p.weight, p.bias)) for p in (attn.k_proj, attn.v_proj))
-            else:
-                k, v = attn.project(audio_features, ("k", "v"))
-            cache.cross_k[i, rows].copy_(k)
-            cache.cross_v[i, rows].copy_(v)
+        """Compute cross-attention K/V once per utterance into the cache rows `rows`, one
+        utterance at a time: a row's K/V never depend on the other rows (a GEMM's rounding may
+        depend on its shape)."""
+        targets = range(cache.cross_k.shape[1])[rows]
+        assert len(targets) == audio_features.shape[0], (len(targets), audio_features.shape)
+        for j, row in enumerate(targets):
+            features = audio_features[j:j + 1]
+            for i, layer in enumerate(self.layers):
+                attn = layer.encoder_attn
+                if cpu_ops.active(features) and attn.k_proj.weight.dtype == torch.bfloat16:
+                    # torch's bfloat16 GEMM is slow without native bf16 arithmetic
+                    k, v = (attn.heads(cpu_ops.linear(features, p.weight, p.bias)) for p in (attn.k_proj, attn.v_proj))
+                else:
+                    k, v = attn.project(features, ("k", "v"))
+                cache.cross_k[i, row:row + 1].copy_(k)
+                cache.cross_v[i, row:row + 1].copy_(v)
 
     def hidden(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: DecoderCache,
                kv_len: int | None = None) -> torch.Tensor:
