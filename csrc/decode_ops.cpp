@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace specwhisper_decode {
@@ -123,10 +124,17 @@ void rows_tile(const float* x, int64_t M, int64_t K, const W* w, float* out, int
 template <typename W>
 void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* acc,
                   int64_t ldo, bool vec) {
+  // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
+  // so the same bits) instead of once per group of kMR rows
+  const bool widen_tile = vec && !std::is_same<W, float>::value && M > kMR;
+  std::vector<float> wide(widen_tile ? kNR * K : 0);
   for (int64_t n = n0; n < n1; n += kNR) {
     const int64_t nr = std::min(kNR, n1 - n);
     const W* wt = w + n * K;
-    if (vec && nr == kNR) {
+    if (vec && nr == kNR && widen_tile) {
+      for (int64_t i = 0; i < kNR * K; ++i) wide[i] = widen(wt[i]);
+      rows_tile<float, kNR>(x, M, K, wide.data(), acc + n, ldo);
+    } else if (vec && nr == kNR) {
       rows_tile<W, kNR>(x, M, K, wt, acc + n, ldo);
     } else {
       for (int64_t m = 0; m < M; ++m)
