@@ -216,9 +216,9 @@ class Decoder(nn.Module):
                      cache.cross_k[:, :b], cache.cross_v[:, :b])
         if cpu_ops.active(x) and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
             # a query reads real slots up to its position, never the scratch slot
-            n_self = input_pos.clamp(max=min(last, s - 1)) + 1  # [B, T]
-            n_cross = torch.full_like(input_pos, cache.cross_k.shape[3])
-            write_pos = write_pos.contiguous()
+            n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
+            n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
+            write_pos = write_pos.long().contiguous()
             for layer, self_k, self_v, cross_k, cross_v in layers:
                 x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
             return self.layer_norm(x)
