@@ -33,26 +33,48 @@ class LoadedModel:
     @classmethod
     def load(cls, path, device, dtype) -> "LoadedModel":
         path = resolve_model_path(path)
-        model = load_whisper(path, device=device, dtype=dtype)
+        cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+        model = load_whisper(path, device=device, dtype=torch.float32 if cpu_bf16 else dtype)
+        if cpu_bf16:
+            # the decoder (bandwidth-bound) in bfloat16; the encoder (compute-bound) stays float32
+            # and returns bfloat16 features: torch's CPU bfloat16 GEMM is ~7x slower than float32
+            # without native bf16 instructions. Decoding stays exact relative to this model.
+            model.decoder.to(torch.bfloat16)
+            model.fuse()
+            model.encoder.features_dtype = torch.bfloat16
         tok = Tokenizer.from_folder(path, model.config.vocab_size)
         vocab = model.config.vocab_size
         suppress = torch.zeros(vocab, dtype=torch.bool, device=device)
         suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
-        head = ScreenedHead(model.decoder.embed_tokens.weight) if dtype == torch.float32 else None
+        # float32 models on the CPU: greedy reads a bfloat16 copy of the head, exactly (see
+        # head.py); other dtypes and devices read their own head directly
+        screened = dtype == torch.float32 and torch.device(device).type == "cpu"
+        head = ScreenedHead(model.decoder.embed_tokens.weight) if screened else None
         return cls(model, tok, path, suppress, begin, head)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Decoder hidden states [B, T, d] -> float32 logits [B, T, V] (no suppression)."""
+        return self.model.decoder.logits(hidden)
+
+    def greedy(self, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [B, T] from hidden [B, T, d], never a `banned` token ([B, T, V] or [V]
+        bool): exactly `logits(hidden).masked_fill(banned, -inf).argmax(-1)`, ties to the lowest id."""
+        B, T, d = hidden.shape
+        if self.head is not None:
+            rows_banned = banned if banned.ndim == 1 else banned.reshape(B * T, -1)
+            return self.head.argmax(hidden.reshape(B * T, d), rows_banned).view(B, T)
+        return self.logits(hidden).masked_fill_(banned, -float("inf")).argmax(dim=-1)
 
     def pick(self, hidden: torch.Tensor, first: bool, temperature: float, top_p: float, generator):
         """Tokens [B, T] from decoder hidden states [B, T, d]; also the suppressed float32 logits
         [B, T, V] when sampling (None when greedy: the screened head never forms them)."""
         banned = self.begin_suppress if first else self.suppress
         B, T, d = hidden.shape
-        if temperature == 0.0 and self.head is not None:
-            return self.head.argmax(hidden.reshape(B * T, d), banned).view(B, T), None
-        logits = self.model.decoder.logits(hidden).float().masked_fill_(banned, -float("inf"))
         if temperature == 0.0:
-            return logits.argmax(dim=-1), None
+            return self.greedy(hidden, banned), None
+        logits = self.logits(hidden).masked_fill_(banned, -float("inf"))
         flat = logits.reshape(B * T, -1)
         return sampling.sample(flat, temperature, top_p, generator).view(B, T), logits
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_ops
 from .config import WhisperConfig
 
 
@@ -86,13 +87,19 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
+    features_dtype: torch.dtype | None = None  # dtype of the returned features (None: the weights')
+
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel [B, n_mels, 3000] -> audio features [B, 1500, d_model]."""
+        """mel [B, n_mels, 3000] -> audio features [B, 1500, d_model], computed in the weights'
+        dtype and returned in `features_dtype` (a bfloat16 decoder on a CPU without native
+        bfloat16 arithmetic keeps a float32 encoder: 7x faster here)."""
+        out = self.features_dtype or self.conv1.weight.dtype
+        mel = mel.to(self.conv1.weight.dtype)
         x = F.gelu(self.conv2(F.gelu(self.conv1(mel)))).transpose(1, 2)
         x = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
             x = layer(x)
-        return self.layer_norm(x)
+        return self.layer_norm(x).to(out)
 
 
 @dataclass
@@ -145,6 +152,24 @@ class DecoderLayer(nn.Module):
         x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), cross_k, cross_v)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
+    def forward_rows(self, x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v):
+        """`forward` with the CPU decode ops (`cpu_ops`): the same results to float rounding, and
+        each row's result independent of the other rows and of T. n_self / n_cross [B, T]: how
+        many cache slots each query reads (slots 0..n-1)."""
+        sa, ca = self.self_attn, self.encoder_attn
+        B, T, _ = x.shape
+        H, Dh = sa.n_heads, sa.head_dim
+        qkv = cpu_ops.linear(self.self_attn_layer_norm(x), sa.fused_weight, sa.fused_bias)
+        q, k, v = qkv.view(B, T, 3, H, Dh).unbind(2)  # [B, T, H, Dh] each
+        cpu_ops.kv_write(self_k, self_v, k, v, write_pos)
+        a = cpu_ops.attention(q, self_k, self_v, n_self, Dh**-0.5)
+        x = x + cpu_ops.linear(a, sa.out_proj.weight, sa.out_proj.bias)
+        q = cpu_ops.linear(self.encoder_attn_layer_norm(x), ca.q_proj.weight, ca.q_proj.bias)
+        a = cpu_ops.attention(q.view(B, T, H, Dh), cross_k, cross_v, n_cross, Dh**-0.5)
+        x = x + cpu_ops.linear(a, ca.out_proj.weight, ca.out_proj.bias)
+        h = F.gelu(cpu_ops.linear(self.final_layer_norm(x), self.fc1.weight, self.fc1.bias))
+        return x + cpu_ops.linear(h, self.fc2.weight, self.fc2.bias)
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: WhisperConfig):
@@ -157,11 +182,22 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def fill_cross(self, cache: DecoderCache, audio_features: torch.Tensor, rows: slice = slice(None)):
-        """Compute cross-attention K/V once per utterance into the cache rows `rows`."""
-        for i, layer in enumerate(self.layers):
-            k, v = layer.encoder_attn.project(audio_features, ("k", "v"))
-            cache.cross_k[i, rows].copy_(k)
-            cache.cross_v[i, rows].copy_(v)
+        """Compute cross-attention K/V once per utterance into the cache rows `rows`, one
+        utterance at a time: a row's K/V never depend on the other rows (a GEMM's rounding may
+        depend on its shape)."""
+        targets = range(cache.cross_k.shape[1])[rows]
+        assert len(targets) == audio_features.shape[0], (len(targets), audio_features.shape)
+        for j, row in enumerate(targets):
+            features = audio_features[j:j + 1]
+            for i, layer in enumerate(self.layers):
+                attn = layer.encoder_attn
+                if cpu_ops.active(features) and attn.k_proj.weight.dtype == torch.bfloat16:
+                    # torch's bfloat16 GEMM is slow without native bf16 arithmetic
+                    k, v = (attn.heads(cpu_ops.linear(features, p.weight, p.bias)) for p in (attn.k_proj, attn.v_proj))
+                else:
+                    k, v = attn.project(features, ("k", "v"))
+                cache.cross_k[i, row:row + 1].copy_(k)
+                cache.cross_v[i, row:row + 1].copy_(v)
 
     def hidden(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: DecoderCache,
                kv_len: int | None = None) -> torch.Tensor:
@@ -174,18 +210,29 @@ class Decoder(nn.Module):
         b = tokens.shape[0]
         last = self.embed_positions.num_embeddings - 1  # the last real position (447)
         s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
-        slots = torch.arange(s, device=tokens.device)
-        # a query reads real slots up to its position, never the scratch slot
-        mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
         write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, write_pos, mask, cache.self_k[i, :b, :, :s], cache.self_v[i, :b, :, :s],
-                      cache.cross_k[i, :b], cache.cross_v[i, :b])
+        layers = zip(self.layers, cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s],
+                     cache.cross_k[:, :b], cache.cross_v[:, :b])
+        if cpu_ops.active(x) and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
+            # a query reads real slots up to its position, never the scratch slot
+            n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
+            n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
+            write_pos = write_pos.long().contiguous()
+            for layer, self_k, self_v, cross_k, cross_v in layers:
+                x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
+            return self.layer_norm(x)
+        slots = torch.arange(s, device=tokens.device)
+        mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
+        for layer, self_k, self_v, cross_k, cross_v in layers:
+            x = layer(x, write_pos, mask, self_k, self_v, cross_k, cross_v)
         return self.layer_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.embed_tokens.weight.T  # tied output head
+        """hidden [..., d] -> float32 logits [..., vocab] (tied output head, float32 accumulation)."""
+        if cpu_ops.active(hidden):
+            return cpu_ops.linear(hidden, self.embed_tokens.weight, None, torch.float32)
+        return (hidden @ self.embed_tokens.weight.T).float()
 
     def forward(self, tokens, input_pos, cache, kv_len=None) -> torch.Tensor:
         """tokens [B, T], input_pos [B, T] -> logits [B, T, vocab]."""

@@ -1,13 +1,27 @@
 """The screened bfloat16 head returns exactly the full-precision argmax."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from specwhisper import cpu_ops
 from specwhisper.head import ScreenedHead
 
 
+@pytest.fixture(params=["ops", "reference"], autouse=True)
+def path(request):
+    """Every test runs through the C++ op (when built) and through the PyTorch reference."""
+    if request.param == "ops" and cpu_ops._ops() is None:
+        pytest.skip("C++ decode ops unavailable")
+    if request.param == "reference":
+        with cpu_ops.reference():
+            yield request.param
+    else:
+        yield request.param
+
+
 def full_argmax(weight, hidden, banned):
-    return (hidden @ weight.T).masked_fill(banned, -float("inf")).argmax(dim=-1)
+    return cpu_ops.linear(hidden, weight, None, torch.float32).masked_fill(banned, -float("inf")).argmax(dim=-1)
 
 
 def test_matches_full_precision_argmax_on_random_rows():
@@ -19,6 +33,23 @@ def test_matches_full_precision_argmax_on_random_rows():
     banned[torch.randint(0, 51865, (500,), generator=gen)] = True
     assert torch.equal(head.argmax(hidden, banned), full_argmax(weight, hidden, banned))
     assert torch.equal(head.argmax(hidden), full_argmax(weight, hidden, torch.zeros_like(banned)))
+    per_row = torch.rand(200, 51865, generator=gen) < 0.5  # [N, V] bans
+    assert torch.equal(head.argmax(hidden, per_row), full_argmax(weight, hidden, per_row))
+
+
+def test_bound_is_rigorous():
+    """The bound on |approx - exact| (bf16 unit roundoff 2^-8) holds on random rows."""
+    from specwhisper.head import TINY, screen_slack
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(20000, 64, generator=gen)
+    head = ScreenedHead(weight)
+    hidden = torch.randn(4, 64, generator=gen)
+    approx = cpu_ops.linear(hidden, head.low, None, torch.float32)
+    exact = cpu_ops.linear(hidden, weight, None, torch.float32)
+    bound = hidden.norm(dim=1, keepdim=True) * screen_slack(64) * head.row_norm + TINY
+    assert ((approx - exact).abs() <= bound).all()
+    assert screen_slack(64) >= 2.0**-8
 
 
 def test_near_ties_that_bfloat16_cannot_separate():

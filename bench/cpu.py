@@ -1,0 +1,307 @@
+"""CPU decoding on realistic windows, in one run: where a token's time goes and how it compares.
+
+Question answered: on ≈ 25 s speech windows (whisper-base, 2 threads), what does one target
+decoder step cost against the memory-bandwidth floor, against CTranslate2 float32 and
+`transformers` generate; what does a verify pass of k+1 = 2..9 rows cost relative to one step;
+what does a draft step cost; and what are the end-to-end tokens/s and speedups of target-only and
+speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfloat16 path?
+
+    python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
+    python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
+
+Writes <out>/cpu.json (everything), cpu.md (the tables) and cpu.png. Windows are ≈ 25 s of flite
+speech (several voices per window), synthesized into a temporary folder. Step timings are medians
+of back-to-back repetitions at a mid-window position (64 tokens in).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specwhisper import Engine, cpu_ops, load_audio, log_mel_spectrogram
+from specwhisper.fetch import ct2_dir, fetch
+from specwhisper.model import DecoderCache
+from specwhisper.wer import wer
+
+SENTENCES = [
+    "The weather today will be mostly sunny, with a high of seventy two degrees.",
+    "Please turn off the lights and lock the door before you leave the office.",
+    "The city council voted on Tuesday to build a new library near the river.",
+    "To reset your password, open the settings page and click on security.",
+    "The train to Boston leaves from platform four in twenty minutes.",
+    "Traffic on the main highway is moving slowly because of an accident.",
+    "Our store is open from nine in the morning until six in the evening.",
+    "The meeting has been moved to Thursday afternoon in the large conference room.",
+    "Scientists have discovered a new species of frog in the mountains of Peru.",
+    "Remember to bring your passport and a printed copy of your ticket.",
+    "The museum will offer free admission to students every Sunday this summer.",
+    "Heavy rain is expected tonight, so drivers should take extra care on the roads.",
+    "She finished the marathon in just under four hours and felt wonderful.",
+    "The restaurant on the corner serves the best pancakes in the whole town.",
+    "Our flight was delayed by two hours because of a problem with the engine.",
+    "The children planted tomatoes, beans and sunflowers in the school garden.",
+    "Please send me the report by Friday so that I can review it over the weekend.",
+    "The orchestra will perform music by Mozart and Beethoven at eight o'clock.",
+    "A strong wind knocked down several trees along the coast last night.",
+    "He opened the old wooden box and found a letter written by his grandfather.",
+    "The new software update makes the phone faster and improves the battery life.",
+    "We walked along the beach at sunset and watched the boats come back to the harbor.",
+    "The bakery sells fresh bread every morning before the sun comes up.",
+    "Students must submit their applications before the end of the month.",
+]
+VOICES = ["slt", "rms", "awb", "kal16"]
+WINDOW_SECONDS, GAP_SECONDS, SR = 25.0, 0.3, 16000
+POSITION = 64  # decoding position of the step microbenchmarks
+
+
+def synthesize_windows(n: int, folder: Path) -> list[tuple[np.ndarray, str]]:
+    """n windows of ≈ 25 s, each sentences spoken by rotating voices -> (audio, reference text)."""
+    windows, s = [], 0
+    for w in range(n):
+        parts, texts, seconds = [], [], 0.0
+        while seconds < WINDOW_SECONDS - 2.5:
+            text, voice = SENTENCES[s % len(SENTENCES)], VOICES[(s + w) % len(VOICES)]
+            path = folder / f"s{s}.wav"
+            subprocess.run(["flite", "-voice", voice, "-t", text, "-o", str(path)], check=True)
+            audio = load_audio(path)
+            if seconds + len(audio) / SR > 28.5:
+                break
+            parts += [audio, np.zeros(int(GAP_SECONDS * SR), np.float32)]
+            texts.append(text)
+            seconds += len(audio) / SR + GAP_SECONDS
+            s += 1
+        windows.append((np.concatenate(parts), " ".join(texts)))
+    return windows
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bandwidth() -> dict:
+    """Memory bandwidth measured now: a 256 MB read (sum) and copy (read + write bytes)."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    read = src.numel() * 4 / timed(lambda: src.sum(), 5)
+    copy = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 5)
+    return dict(read_GBps=read / 1e9, copy_GBps=copy / 1e9, GBps=max(read, copy) / 1e9)
+
+
+def bytes_per_token(engine: Engine) -> dict:
+    """Bytes one decode step must read: decoder blocks, output head (screened bf16 or own dtype),
+    cross-attention K/V (the self-attention cache at POSITION is small but counted)."""
+    dec, cfg = engine.target.model.decoder, engine.target.config
+    blocks = sum(p.numel() * p.element_size() for p in dec.layers.parameters())
+    blocks += sum(p.numel() * p.element_size() for p in dec.layer_norm.parameters())
+    w = dec.embed_tokens.weight
+    head = w.numel() * (2 if engine.target.head is not None else w.element_size())
+    item = torch.finfo(engine.dtype).bits // 8
+    cross = 2 * cfg.decoder_layers * cfg.max_source_positions * cfg.d_model * item
+    self_kv = 2 * cfg.decoder_layers * POSITION * cfg.d_model * item
+    return dict(blocks=blocks, head=head, cross_kv=cross, self_kv=self_kv, total=blocks + head + cross + self_kv)
+
+
+def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10)) -> dict:
+    """Seconds of one pass (blocks + greedy head) over T rows at POSITION, T in `rows`."""
+    lm = engine.target
+    dec, cfg = lm.model.decoder, lm.config
+    cache = DecoderCache.allocate(cfg, 1, "cpu", engine.dtype)
+    out = {}
+    with torch.inference_mode():
+        dec.fill_cross(cache, lm.model.encoder(mel[None].to(engine.dtype)))
+        dec.hidden(torch.full((1, POSITION), 440), torch.arange(POSITION)[None], cache)
+        for t in rows:
+            tokens, pos = torch.full((1, t), 440), torch.arange(POSITION, POSITION + t)[None]
+            out[t] = timed(lambda: lm.greedy(dec.hidden(tokens, pos, cache, kv_len=POSITION + t), lm.suppress),
+                           repeats)
+    return out
+
+
+def profile_step(engine: Engine, mel: torch.Tensor) -> str:
+    lm = engine.target
+    dec = lm.model.decoder
+    cache = DecoderCache.allocate(lm.config, 1, "cpu", engine.dtype)
+    tokens, pos = torch.full((1, 1), 440), torch.tensor([[POSITION]])
+    with torch.inference_mode():
+        dec.fill_cross(cache, lm.model.encoder(mel[None].to(engine.dtype)))
+        for _ in range(3):
+            lm.greedy(dec.hidden(tokens, pos, cache, kv_len=POSITION + 1), lm.suppress)
+        with torch.profiler.profile() as prof:
+            for _ in range(5):
+                lm.greedy(dec.hidden(tokens, pos, cache, kv_len=POSITION + 1), lm.suppress)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
+def end_to_end(name, run, encode, mels, repeats) -> dict:
+    """Decode seconds per window (whole call minus the encoder's median time over the windows)
+    and the tokens of each window."""
+    tokens, totals = [], []
+    for mel in mels:
+        tokens.append(run(mel))
+        totals.append(timed(lambda: run(mel), repeats))
+    enc = statistics.median(timed(lambda: encode(mel), repeats) for mel in mels)
+    decode = [t - enc for t in totals]
+    n = sum(len(t) + 1 for t in tokens)  # + 1: the EOT step
+    seconds = sum(decode) if min(decode) > 0 else float("nan")  # nan: the timing was swamped by noise
+    print(f"{name}: {1e3 * seconds / n:.1f} ms/token", flush=True)
+    return dict(name=name, tokens=tokens, call_seconds=totals, encoder_seconds=enc, decode_seconds=decode,
+                tokens_per_s=n / seconds, ms_per_token=1e3 * seconds / n)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--k", type=int, default=4, help="num_draft_tokens of the speculative runs")
+    p.add_argument("--distilled", default=None, help="a shared-encoder draft folder (specwhisper distill)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base, tiny = fetch("base"), fetch("tiny.en")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        windows = synthesize_windows(args.windows, Path(tmp))
+    mels = [log_mel_spectrogram(a) for a, _ in windows]
+    texts = [t for _, t in windows]
+    result = dict(machine=platform.processor() or platform.machine(), threads=args.threads,
+                  torch=torch.__version__, decode_ops=cpu_ops.active(torch.empty(0)),
+                  window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)
+
+    engine = Engine(base)
+    result["bandwidth"] = bandwidth()
+    result["bytes_per_token"] = bytes_per_token(engine)
+    floor_ms = 1e3 * result["bytes_per_token"]["total"] / (result["bandwidth"]["GBps"] * 1e9)
+    steps = step_times(engine, mels[0], args.repeats * 5)
+    result["step_ms"] = {t: 1e3 * s for t, s in steps.items()}
+    result["verify_over_step"] = {t: s / steps[1] for t, s in steps.items()}
+    result["floor_ms"] = floor_ms
+    draft_engine = Engine(tiny)
+    result["draft_step_ms"] = {"tiny.en": 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1])[1]}
+    result["profile"] = profile_step(engine, mels[0])
+
+    def ours(e, k=None):
+        return lambda mel: e.transcribe(mel, language="en", num_draft_tokens=k).tokens
+
+    def our_encoder(e):
+        return lambda mel: e.target.model.encoder(mel[None].to(e.dtype))
+
+    runs = [end_to_end("specwhisper target-only", ours(engine), our_encoder(engine), mels, args.repeats)]
+    import ctranslate2
+
+    ct = ctranslate2.models.Whisper(str(ct2_dir("base")), device="cpu", compute_type="float32",
+                                    intra_threads=args.threads)
+    prompt = engine.target.tokenizer.prompt("en", "transcribe")
+    view = lambda mel: ctranslate2.StorageView.from_array(np.ascontiguousarray(mel[None].numpy()))  # noqa: E731
+    runs.append(end_to_end("CTranslate2 float32", lambda mel: list(ct.generate(view(mel), [prompt], beam_size=1)[0]
+                                                                  .sequences_ids[0]),
+                           lambda mel: ct.encode(view(mel), to_cpu=True), mels, args.repeats))
+    if not args.no_hf:
+        from transformers import WhisperForConditionalGeneration
+
+        hf = WhisperForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            runs.append(end_to_end(
+                "transformers generate",
+                lambda mel: hf.generate(mel[None], language="en", task="transcribe", do_sample=False,
+                                        num_beams=1)[0].tolist(),
+                lambda mel: hf.model.encoder(mel[None]), mels, args.repeats))
+    drafts = {"tiny.en": tiny, "self": base} | ({"distilled": args.distilled} if args.distilled else {})
+    for name, folder in drafts.items():
+        e = Engine(base, folder)
+        for k in (None, args.k):
+            runs.append(end_to_end(f"specwhisper + {name} (k={k or 'adaptive'})", ours(e, k), our_encoder(e),
+                                   mels, args.repeats))
+            stats = [e.transcribe(m, language="en", num_draft_tokens=k).stats for m in mels]
+            runs[-1]["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
+    bf16 = Engine(base, dtype=torch.bfloat16)
+    runs.append(end_to_end("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16), mels, args.repeats))
+    ref_tokens = runs[0]["tokens"]
+    decode = lambda toks: [engine.target.tokenizer.decode(t) for t in toks]  # noqa: E731
+    for r in runs:
+        r["identical_to_target_only"] = r["tokens"] == ref_tokens
+        r["speedup_vs_target_only"] = runs[0]["ms_per_token"] / r["ms_per_token"]
+        r["wer"] = wer(texts, decode(r["tokens"]))
+    result["runs"] = runs
+    result["bf16_step_ms"] = 1e3 * step_times(bf16, mels[0], args.repeats * 5, rows=[1])[1]
+
+    (out_dir / "cpu.json").write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result)
+    (out_dir / "cpu.md").write_text(md)
+    plot(result, out_dir / "cpu.png")
+    print(md)
+
+
+def markdown(r: dict) -> str:
+    ct2 = next(x for x in r["runs"] if x["name"].startswith("CTranslate2"))
+    lines = [f"# CPU decode, whisper-base, {r['threads']} threads, {len(r['window_seconds'])} windows "
+             f"of {statistics.mean(r['window_seconds']):.1f} s ({r['machine']}, torch {r['torch']}, "
+             f"decode ops {'on' if r['decode_ops'] else 'off'})", "",
+             f"Bandwidth {r['bandwidth']['GBps']:.1f} GB/s (read {r['bandwidth']['read_GBps']:.1f}, copy "
+             f"{r['bandwidth']['copy_GBps']:.1f}); bytes per token {r['bytes_per_token']['total'] / 1e6:.0f} MB "
+             f"(blocks {r['bytes_per_token']['blocks'] / 1e6:.0f}, head {r['bytes_per_token']['head'] / 1e6:.0f}, "
+             f"cross K/V {r['bytes_per_token']['cross_kv'] / 1e6:.0f}) -> floor {r['floor_ms']:.1f} ms/token", "",
+             "| per token | ms | × floor |", "|---|---|---|",
+             f"| target step (blocks + screened head, position {r['position']}) | {r['step_ms'][1]:.1f} | "
+             f"{r['step_ms'][1] / r['floor_ms']:.2f} |",
+             f"| target step, bfloat16 model | {r['bf16_step_ms']:.1f} | {r['bf16_step_ms'] / r['floor_ms']:.2f} |",
+             f"| draft step tiny.en | {r['draft_step_ms']['tiny.en']:.1f} | |"]
+    lines += [f"| decode, {x['name']} | {x['ms_per_token']:.1f} | {x['ms_per_token'] / r['floor_ms']:.2f} |"
+              for x in r["runs"] if not x["name"].startswith("specwhisper +")]
+    lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",
+              "|---" * (len(r["verify_over_step"]) + 1) + "|",
+              "| verify / step | " + " | ".join(f"{v:.2f}" for v in r["verify_over_step"].values()) + " |", "",
+              "| system | tokens/s (decode) | ms/token | vs target-only | vs CT2 | acceptance | tokens = target-only | WER |",
+              "|---|---|---|---|---|---|---|---|"]
+    for x in r["runs"]:
+        acc = f"{x['acceptance']:.2f}" if "acceptance" in x else ""
+        lines.append(f"| {x['name']} | {x['tokens_per_s']:.1f} | {x['ms_per_token']:.1f} | "
+                     f"{x['speedup_vs_target_only']:.2f}× | {ct2['ms_per_token'] / x['ms_per_token']:.2f}× | {acc} | "
+                     f"{'yes' if x['identical_to_target_only'] else 'NO'} | {x['wer']:.3f} |")
+    lines += ["", "One target step, torch.profiler (5 steps):", "```", r["profile"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [x["name"].replace("specwhisper", "sw") for x in r["runs"]]
+    a.barh(names, [x["ms_per_token"] for x in r["runs"]], color="tab:blue")
+    a.axvline(r["floor_ms"], color="k", ls="--", label=f"bandwidth floor {r['floor_ms']:.1f} ms")
+    a.set_xlabel("decode ms per token (lower is better)")
+    a.invert_yaxis()
+    a.legend()
+    rows = list(r["verify_over_step"])
+    b.plot(rows, list(r["verify_over_step"].values()), "o-")
+    b.axhline(1.0, color="k", lw=0.5)
+    b.set_xlabel("rows in one verify pass (k+1)")
+    b.set_ylabel("time / one-row step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

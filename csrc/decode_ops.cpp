@@ -1,0 +1,479 @@
+// Decoder-step ops for the CPU: small-row linear layers, decode attention, cache writes.
+//
+// Reference and spec: specwhisper/cpu_ops.py (`linear_reference`, `attention_reference`,
+// `kv_write_reference`). A decode step multiplies a handful of rows (1..k+1 per batch row) by
+// every weight matrix; what matters is reading each weight byte once, at memory bandwidth.
+// torch's CPU GEMM runs 2-3 rows as repeated GEMVs and a 1-row GEMV at about half the bandwidth
+// here, so these ops stream each weight block once for all rows.
+//
+// Determinism contract (what exact speculative decoding rests on): every output element is
+// computed by the same sequence of floating-point operations whatever the number of rows, the
+// batch composition, the tiling or the thread count: an 8-lane FMA accumulation over K in
+// order, a fixed horizontal sum, a scalar FMA tail, then the bias. A row's result therefore
+// never depends on the other rows. Arithmetic is float32 (bfloat16 inputs are widened exactly;
+// bfloat16 outputs are rounded to nearest even once, at the end).
+//
+// Vector code needs AVX2 + FMA (checked at run time; a scalar path with the same operation order
+// serves other CPUs, so results are identical either way).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace specwhisper_decode {
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int64_t kNR = 4;  // weight rows per tile (independent FMA chains)
+constexpr int64_t kMR = 3;  // input rows per tile (accumulators: kNR * kMR <= 12 ymm registers)
+
+bool has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// ------------------------------------------------------------------ scalar twins
+// The scalar path reproduces the vector path's operation order exactly: 8 lane accumulators,
+// the same pairwise horizontal sum, then the tail.
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return static_cast<float>(v); }
+
+template <typename W>
+float dot_scalar(const float* x, const W* w, int64_t K) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
+    for (int l = 0; l < 8; ++l) lane[l] = std::fma(widen(w[k + l]), x[k + l], lane[l]);
+  // same order as hsum8 below: (l0+l4, l1+l5, l2+l6, l3+l7) -> (a0+a2, a1+a3) -> b0+b1
+  float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
+  float b0 = a0 + a2, b1 = a1 + a3;
+  float s = b0 + b1;
+  for (; k < K; ++k) s = std::fma(widen(w[k]), x[k], s);
+  return s;
+}
+
+// ------------------------------------------------------------------ AVX2 path
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 a = _mm_add_ps(lo, hi);                  // (l0+l4, l1+l5, l2+l6, l3+l7)
+  __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));  // (a0+a2, a1+a3, ...)
+  __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));  // b0+b1
+  return _mm_cvtss_f32(c);
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const W* w, int64_t K) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), acc);
+  float s = hsum8(acc);
+  for (; k < K; ++k) s = std::fma(widen(w[k]), x[k], s);
+  return s;
+}
+
+// out[m, n] (float) for rows m0..m0+MR of x and weight rows n0..n0+NR: one pass over the
+// weight tile per group of input rows.
+template <typename W, int MR, int NR>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, const W* w, int64_t K,
+                                                   float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s = std::fma(widen(w[j * K + t]), x[i * ldx + t], s);
+      out[i * ldo + j] = s;
+    }
+}
+
+template <typename W, int NR>
+void rows_tile(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile_avx2<W, 3, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
+  if (M - m == 2) tile_avx2<W, 2, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
+  if (M - m == 1) tile_avx2<W, 1, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
+}
+
+// acc[m, n] = x[m] . w[n] (float32) for weight rows n0..n1-1, on this thread.
+template <typename W>
+void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* acc,
+                  int64_t ldo, bool vec) {
+  // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
+  // so the same bits) instead of once per group of kMR rows
+  const bool widen_tile = vec && !std::is_same<W, float>::value && M > kMR;
+  std::vector<float> wide(widen_tile ? kNR * K : 0);
+  for (int64_t n = n0; n < n1; n += kNR) {
+    const int64_t nr = std::min(kNR, n1 - n);
+    const W* wt = w + n * K;
+    if (vec && nr == kNR && widen_tile) {
+      for (int64_t i = 0; i < kNR * K; ++i) wide[i] = widen(wt[i]);
+      rows_tile<float, kNR>(x, M, K, wide.data(), acc + n, ldo);
+    } else if (vec && nr == kNR) {
+      rows_tile<W, kNR>(x, M, K, wt, acc + n, ldo);
+    } else {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nr; ++j)
+          acc[m * ldo + n + j] = vec ? dot_avx2(x + m * K, wt + j * K, K) : dot_scalar(x + m * K, wt + j * K, K);
+    }
+  }
+}
+
+// acc[M, N] = x[M, K] @ w[N, K]^T (float32, no bias), parallel over weight rows.
+template <typename W>
+void matmul_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* acc) {
+  const bool vec = has_avx2();
+  const int64_t blocks = (N + kNR - 1) / kNR;
+  // grain: at least ~64 KB of weights per task so small matrices stay on one thread
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kNR * K * sizeof(W)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    matmul_range(x, M, K, w, b0 * kNR, std::min(N, b1 * kNR), acc, N, vec);
+  });
+}
+
+at::Tensor as_float_rows(const at::Tensor& x) {
+  return x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+}
+
+// ------------------------------------------------------------------ linear
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       c10::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_rows: CPU tensors only");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be a contiguous [N, K] matrix");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "linear_rows: weight must be float32 or bfloat16");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  TORCH_CHECK(x.size(-1) == K, "linear_rows: x has ", x.size(-1), " features, weight expects ", K);
+  at::Tensor xf = as_float_rows(x);
+  const int64_t M = xf.size(0);
+  at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    if (weight.scalar_type() == at::kFloat)
+      matmul_rows(xf.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, acc.data_ptr<float>());
+    else
+      matmul_rows(xf.data_ptr<float>(), M, K, reinterpret_cast<const bf16*>(weight.data_ptr()), N,
+                  acc.data_ptr<float>());
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "linear_rows: bias has ", bias->numel(), " entries, expected ", N);
+    at::Tensor bf = bias->to(at::kFloat).contiguous();
+    const float* bp = bf.data_ptr<float>();
+    float* ap = acc.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) ap[m * N + n] += bp[n];
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
+  return acc.to(dtype).view(shape);  // bfloat16: round to nearest even, once
+}
+
+// out[m, c] = x[m] . weight[ids[m, c]] (float32), with exactly linear_rows' arithmetic: the
+// exact logits of a few candidate tokens per row.
+at::Tensor gather_dot(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "gather_dot: weight must be a contiguous float32 [V, K] matrix");
+  const int64_t K = weight.size(1), V = weight.size(0);
+  at::Tensor xf = as_float_rows(x);
+  at::Tensor idc = ids.to(at::kLong).contiguous();
+  TORCH_CHECK(idc.dim() == 2 && idc.size(0) == xf.size(0), "gather_dot: ids must be [rows, C]");
+  const int64_t M = idc.size(0), C = idc.size(1);
+  at::Tensor out = at::empty({M, C}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const bool vec = has_avx2();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t v = ip[m * C + c];
+      TORCH_CHECK(v >= 0 && v < V, "gather_dot: id ", v, " out of range");
+      op[m * C + c] = vec ? dot_avx2(xp + m * K, wp + v * K, K) : dot_scalar(xp + m * K, wp + v * K, K);
+    }
+  return out;
+}
+
+// Exact greedy argmax through a bfloat16 screen (spec: specwhisper/head.py ScreenedHead):
+// approximate logits from the bfloat16 weights, bound b_v = fl(fl(slack * |h|) * |w_v|) + tiny,
+// candidates v with fl(l~_v + b_v) >= max_w fl(l~_w - b_w), exact float32 logits of the
+// candidates (the same per-element arithmetic as linear_rows), argmax with ties to the lowest
+// id. banned: bool [V] or [N, V]. Any number of candidates: no fallback needed.
+at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& low, const at::Tensor& weight,
+                           const at::Tensor& row_norm, double slack, double tiny, const c10::optional<at::Tensor>& banned) {
+  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.is_contiguous() && weight.scalar_type() == at::kFloat &&
+              weight.is_contiguous() && low.sizes() == weight.sizes(), "screened_argmax: low bf16 / weight f32 [V, d]");
+  const int64_t V = weight.size(0), K = weight.size(1);
+  at::Tensor h = as_float_rows(hidden);
+  TORCH_CHECK(h.size(1) == K, "screened_argmax: hidden has ", h.size(1), " features, expected ", K);
+  const int64_t N = h.size(0);
+  at::Tensor norms = row_norm.to(at::kFloat).contiguous();
+  at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
+  at::Tensor approx = at::empty({N, V}, h.options());
+  matmul_rows(h.data_ptr<float>(), N, K, reinterpret_cast<const bf16*>(low.data_ptr()), V, approx.data_ptr<float>());
+  const bool* bp = nullptr;
+  int64_t banned_stride = 0;
+  at::Tensor bc;
+  if (banned.has_value()) {
+    bc = banned->to(at::kBool).contiguous();
+    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)), "screened_argmax: banned must be [V] or [N, V]");
+    bp = bc.data_ptr<bool>();
+    banned_stride = bc.dim() == 2 ? V : 0;
+  }
+  at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
+  const float* ap = approx.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  const float* hp = h.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool vec = has_avx2();
+  const float tiny_f = static_cast<float>(tiny), slack_f = static_cast<float>(slack);
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = ap + r * V;
+      const bool* bn = bp ? bp + r * banned_stride : nullptr;
+      const float scale = hnorm.data_ptr<float>()[r] * slack_f;
+      float floor = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        if (bn && bn[v]) continue;
+        floor = std::max(floor, a[v] - (scale * np[v] + tiny_f));
+      }
+      int64_t best_id = -1;
+      float best = -INFINITY;
+      const float* x = hp + r * K;
+      for (int64_t v = 0; v < V; ++v) {
+        if (bn && bn[v]) continue;
+        if (a[v] + (scale * np[v] + tiny_f) >= floor) {
+          const float exact = vec ? dot_avx2(x, wp + v * K, K) : dot_scalar(x, wp + v * K, K);
+          if (best_id < 0 || exact > best) best = exact, best_id = v;  // ascending ids: ties keep the lowest
+        }
+      }
+      op[r] = best_id < 0 ? 0 : best_id;  // every token banned: 0, like argmax over all -inf
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ attention
+// exp for softmax weights: Cephes-style range reduction and polynomial, identical in the vector
+// and scalar forms (no FMA contraction in the scalar form: explicit operations only).
+constexpr float kExpHi = 88.3762626647949f, kExpLo = -88.3762626647949f;
+constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f,
+                kP3 = 4.1665795894E-2f, kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
+
+inline float exp_scalar(float x) {
+  x = std::min(std::max(x, kExpLo), kExpHi);
+  float fx = std::nearbyint(x * kLog2e);
+  float t = fx * kC1;
+  x = x - t;
+  t = fx * kC2;
+  x = x - t;
+  float z = x * x;
+  float y = kP0;
+  y = y * x + kP1;
+  y = y * x + kP2;
+  y = y * x + kP3;
+  y = y * x + kP4;
+  y = y * x + kP5;
+  y = y * z + x;
+  y = y + 1.0f;
+  int32_t e = static_cast<int32_t>(fx) + 127;
+  float scale;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kC1)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kC2)));
+  __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kP1));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kP2));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kP3));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kP4));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kP5));
+  y = _mm256_add_ps(_mm256_mul_ps(y, z), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// exp, normalizer and value sum for D == 64 (the value accumulation in 8 registers, the same
+// per-element operations as the scalar form in softmax_values).
+template <typename T>
+__attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, const T* v, int64_t vs, int64_t n,
+                                                             float best, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(scores + j, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(best))));
+  for (; j < n; ++j) scores[j] = exp_scalar(scores[j] - best);
+  float total = 0.0f;
+  for (j = 0; j < n; ++j) total += scores[j];
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (j = 0; j < n; ++j) {
+    const __m256 p = _mm256_set1_ps(scores[j]);
+    const T* vj = v + j * vs;
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vj + 8 * i), acc[i]);
+  }
+  const __m256 div = _mm256_set1_ps(total);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], div));
+}
+
+// Softmax-weighted sum of values for one query whose scores[0..n) are computed.
+template <typename T>
+void softmax_values(float* scores, const T* v, int64_t vs, int64_t n, int64_t D, bool vec, float* out) {
+  float best = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) best = std::max(best, scores[j]);
+  if (vec && D == 64) {
+    softmax_values_avx2(scores, v, vs, n, best, out);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) scores[j] = exp_scalar(scores[j] - best);
+  float total = 0.0f;
+  for (int64_t j = 0; j < n; ++j) total += scores[j];
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = scores[j];
+    const T* vj = v + j * vs;
+    for (int64_t d = 0; d < D; ++d) out[d] = std::fma(p, widen(vj[d]), out[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = out[d] / total;
+}
+
+// q [B, T, H, D] (last dim contiguous, any other strides), caches [B, H, S, D] (rows of D
+// contiguous), n_keys [B, T] int64 (keys 0..n-1 are read, n <= S) -> out [B, T, H * D] in q's
+// dtype. q is scaled by `scale` (rounded to q's dtype, as the reference does) before the
+// products. The scores of all T queries of a head come from one pass over its keys.
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& n_keys,
+                    double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Tq = q.size(1), H = q.size(2), D = q.size(3);
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
+  const int64_t* np = n_keys.data_ptr<int64_t>();
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const auto qs = q.strides(), ks = kc.strides(), vs = vc.strides();
+  const bool vec = has_avx2();
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / H, h = task % H;
+      int64_t n_max = 0;
+      for (int64_t t = 0; t < Tq; ++t) n_max = std::max(n_max, np[b * Tq + t]);
+      std::vector<float> qf(Tq * D), scores(Tq * n_max), of(D);
+      for (int64_t t = 0; t < Tq; ++t) {
+        const T* qv = qp + b * qs[0] + t * qs[1] + h * qs[2];
+        for (int64_t d = 0; d < D; ++d) qf[t * D + d] = widen(static_cast<T>(widen(qv[d]) * static_cast<float>(scale)));
+      }
+      const T* kbh = kp + b * ks[0] + h * ks[1];
+      const T* vbh = vp + b * vs[0] + h * vs[1];
+      matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
+      for (int64_t t = 0; t < Tq; ++t) {
+        softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data());
+        T* o = op + ((b * Tq + t) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[d]);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& n_keys, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: q [B,T,H,D], caches [B,H,S,D]");
+  TORCH_CHECK(q.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+              k_cache.stride(2) == k_cache.size(3), "decode_attention: last dims and key rows must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "decode_attention: q and caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == q.size(0) && k_cache.size(1) == q.size(2) &&
+              k_cache.size(3) == q.size(3), "decode_attention: shape mismatch");
+  TORCH_CHECK(n_keys.scalar_type() == at::kLong && n_keys.is_contiguous() && n_keys.dim() == 2 &&
+              n_keys.size(0) == q.size(0) && n_keys.size(1) == q.size(1), "decode_attention: n_keys must be int64 [B, T]");
+  const int64_t* np = n_keys.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n_keys.numel(); ++i)
+    TORCH_CHECK(np[i] >= 1 && np[i] <= k_cache.size(2), "decode_attention: n_keys ", np[i], " outside 1..", k_cache.size(2));
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2) * q.size(3)}, q.options());
+  if (q.scalar_type() == at::kFloat)
+    attention_impl<float>(q, k_cache, v_cache, n_keys, scale, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    attention_impl<bf16>(q, k_cache, v_cache, n_keys, scale, out);
+  else
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
+  return out;
+}
+
+// cache[b, h, pos[b, t], :] = new[b, t, h, :] for both caches (new: [B, T, H, D], last dim
+// contiguous; caches [B, H, S, D]).
+void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos) {
+  TORCH_CHECK(k.dim() == 4 && k.stride(3) == 1 && v.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "kv_write: last dims must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "kv_write: dtype mismatch");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.size(0) == k.size(0) && pos.size(1) == k.size(1),
+              "kv_write: pos must be int64 [B, T]");
+  const int64_t B = k.size(0), T = k.size(1), H = k.size(2), D = k.size(3), S = k_cache.size(2);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t es = k.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pp[b * T + t];
+      TORCH_CHECK(p >= 0 && p < S, "kv_write: position ", p, " outside the cache");
+      for (int64_t h = 0; h < H; ++h) {
+        for (auto [cache, src] : {std::pair<at::Tensor*, const at::Tensor*>{&k_cache, &k}, {&v_cache, &v}}) {
+          char* dst = static_cast<char*>(cache->data_ptr()) +
+                      (b * cache->stride(0) + h * cache->stride(1) + p * cache->stride(2)) * es;
+          const char* s = static_cast<const char*>(src->data_ptr()) +
+                          (b * src->stride(0) + t * src->stride(1) + h * src->stride(2)) * es;
+          std::memcpy(dst, s, D * es);
+        }
+      }
+    }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specwhisper_decode, m) {
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
+  m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
+  m.def("screened_argmax(Tensor hidden, Tensor low, Tensor weight, Tensor row_norm, float slack, float tiny, Tensor? banned) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
+  m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
+  m.impl("linear_rows", &linear_rows);
+  m.impl("gather_dot", &gather_dot);
+  m.impl("screened_argmax", &screened_argmax);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("kv_write", &kv_write);
+}
+
+}  // namespace specwhisper_decode

@@ -1,0 +1,144 @@
+"""Decoder-step ops on the CPU: a C++ extension (`csrc/decode_ops.cpp`, built just in time with
+ninja on first use) beside the PyTorch reference of each op, with the same signatures.
+
+- `linear(x, weight, bias, out_dtype)`: x [..., K] @ weight[N, K]^T + bias, float32 accumulation;
+  weight float32 or bfloat16 (a bfloat16 weight with a float32 x screens the output head).
+- `gather_dot(x [M, K], weight [V, K], ids [M, C])`: x[m] · weight[ids[m, c]], bit-identical to
+  `linear`'s value for that token (the exact recompute of a screened head's candidates).
+- `screened_argmax(...)`: the screened bfloat16 greedy head of `head.py` in one op.
+- `attention(q [B, T, H, D], k_cache, v_cache [B, H, S, D], n_keys [B, T], scale)`: each query reads
+  keys 0..n_keys-1 -> [B, T, H * D].
+- `kv_write(k_cache, v_cache, k, v, pos [B, T])`: cache[b, :, pos[b, t]] = new[b, t].
+
+Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory bandwidth and
+2-3 rows as repeated GEMVs; these ops read every weight once for all rows, and compute each
+output element by the same operations whatever the other rows (a row's hidden state does not
+depend on the batch or on T, bit for bit: what exact greedy speculation needs).
+
+Dispatch: tensors on the CPU use the C++ ops when they are built and enabled; otherwise (other
+devices, $SPECWHISPER_NO_EXT=1, a failed build announced by one warning, or inside `reference()`)
+the references run. The build lives in ~/.cache/specwhisper/build (or $SPECWHISPER_BUILD_DIR).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "decode_ops.cpp"
+_use_reference = False
+
+
+# ---------------------------------------------------------------- references (the spec)
+def linear_reference(x, weight, bias=None, out_dtype=None):
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(out_dtype or x.dtype)
+
+
+def gather_dot_reference(x, weight, ids):
+    return torch.einsum("mk,mck->mc", x.float(), weight.float()[ids])
+
+
+def attention_reference(q, k_cache, v_cache, n_keys, scale):
+    B, T, H, D = q.shape
+    slots = torch.arange(k_cache.shape[2], device=q.device)
+    mask = (slots < n_keys[:, :, None])[:, None]  # [B, 1, T, S]
+    q = q.transpose(1, 2) * scale  # scaled before the product, as Whisper does
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=1.0)
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def kv_write_reference(k_cache, v_cache, k, v, pos):
+    index = pos[:, None, :, None].expand(-1, k_cache.shape[1], -1, k_cache.shape[3])
+    k_cache.scatter_(2, index, k.transpose(1, 2))
+    v_cache.scatter_(2, index, v.transpose(1, 2))
+
+
+# ---------------------------------------------------------------- dispatch
+def active(x: torch.Tensor) -> bool:
+    """Whether ops on tensors like `x` run the C++ extension."""
+    return x.device.type == "cpu" and not _use_reference and _ops() is not None
+
+
+@contextlib.contextmanager
+def reference():
+    """Run the PyTorch references inside this block (tests compare the two)."""
+    global _use_reference
+    before, _use_reference = _use_reference, True
+    try:
+        yield
+    finally:
+        _use_reference = before
+
+
+def linear(x, weight, bias=None, out_dtype=None):
+    if active(x) and weight.is_contiguous():
+        return _ops().linear_rows(x, weight, bias, out_dtype)
+    return linear_reference(x, weight, bias, out_dtype)
+
+
+def gather_dot(x, weight, ids):
+    if active(x) and weight.is_contiguous() and weight.dtype == torch.float32:
+        return _ops().gather_dot(x, weight, ids)
+    return gather_dot_reference(x, weight, ids)
+
+
+def screened_argmax(hidden, low, weight, row_norm, slack, tiny, banned):
+    """The C++ form of `head.ScreenedHead.argmax_reference` (callers check `active` first)."""
+    return _ops().screened_argmax(hidden, low, weight, row_norm, slack, tiny, banned)
+
+
+def attention(q, k_cache, v_cache, n_keys, scale):
+    if active(q) and q.shape[-1] == k_cache.shape[-1]:
+        return _ops().decode_attention(q, k_cache, v_cache, n_keys, scale)
+    return attention_reference(q, k_cache, v_cache, n_keys, scale)
+
+
+def kv_write(k_cache, v_cache, k, v, pos):
+    if active(k):
+        return _ops().kv_write(k_cache, v_cache, k, v, pos)
+    return kv_write_reference(k_cache, v_cache, k, v, pos)
+
+
+@functools.cache
+def _ops():
+    """torch.ops.specwhisper_decode, built on first use; None if disabled or if the build fails."""
+    if os.environ.get("SPECWHISPER_NO_EXT", "") not in ("", "0"):
+        return None
+    try:
+        torch.ops.specwhisper_decode.linear_rows
+    except (AttributeError, RuntimeError):
+        try:
+            _build()
+        except Exception as exc:
+            warnings.warn(f"specwhisper: could not build the C++ decode ops ({exc}); the decoder "
+                          "uses PyTorch ops on the CPU (set SPECWHISPER_NO_EXT=1 to skip the build)",
+                          RuntimeWarning, stacklevel=3)
+            return None
+    return torch.ops.specwhisper_decode
+
+
+def build_dir() -> Path:
+    if os.environ.get("SPECWHISPER_BUILD_DIR"):
+        return Path(os.environ["SPECWHISPER_BUILD_DIR"]).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = f"torch{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return cache / "specwhisper" / "build" / tag
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # -ffp-contract=off: only the FMAs written in the source, so the scalar and vector forms of
+    # every op compute the same bits
+    cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+    load(name="specwhisper_decode_ops", sources=[str(_SOURCE)], build_directory=str(directory),
+         extra_cflags=cflags, is_python_module=False, verbose=False)

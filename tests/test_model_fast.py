@@ -1,0 +1,192 @@
+"""The CPU decode ops (`cpu_ops`, csrc/decode_ops.cpp) against their PyTorch references, and the
+properties exact speculation rests on: a row's hidden states do not depend, bit for bit, on the
+other rows of the batch or on how many positions run at once (fp32 and bf16); the bf16 engine is
+exact relative to itself (speculative == target-only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specwhisper import Engine, cpu_ops
+from specwhisper.decoding import LoadedModel
+from specwhisper.head import ScreenedHead
+from specwhisper.model import DecoderCache
+
+needs_ops = pytest.mark.skipif(cpu_ops._ops() is None, reason="C++ decode ops unavailable")
+pytestmark = needs_ops
+
+
+@pytest.fixture(scope="module")
+def head64(ckpt_dir):
+    """Head size 64 (every real Whisper): the vectorised attention path."""
+    return ckpt_dir("head64", vocab_size=51865, n_mels=80, d_model=128, heads=2, seed=5)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [3, 8, 37, 512])
+def test_linear_matches_reference(wdtype, K):
+    gen = torch.Generator().manual_seed(K)
+    weight = torch.randn(23, K, generator=gen).to(wdtype)
+    bias = torch.randn(23, generator=gen).to(wdtype)
+    for M in [1, 2, 3, 4, 5, 7, 10]:
+        x = torch.randn(M, K, generator=gen).to(wdtype)
+        out = cpu_ops.linear(x, weight, bias)
+        assert out.dtype == wdtype and out.shape == (M, 23)
+        ref = cpu_ops.linear_reference(x, weight, bias)
+        tol = 1e-5 if wdtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * K**0.5)
+        # each row alone gives the same bits as inside the block
+        for m in range(M):
+            assert torch.equal(cpu_ops.linear(x[m:m + 1], weight, bias), out[m:m + 1])
+
+
+def test_gather_dot_equals_linear_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 77, generator=gen)
+    x = torch.randn(6, 77, generator=gen)
+    full = cpu_ops.linear(x, weight, None, torch.float32)
+    ids = torch.randint(0, 1000, (6, 9), generator=gen)
+    assert torch.equal(cpu_ops.gather_dot(x, weight, ids), full.gather(1, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 64])
+def test_attention_matches_reference(dtype, D):
+    gen = torch.Generator().manual_seed(D)
+    B, T, H, S = 3, 5, 2, 40
+    q = torch.randn(B, T, H, D, generator=gen).to(dtype)
+    k = torch.randn(B, H, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, H, S, D, generator=gen).to(dtype)
+    n_keys = torch.randint(1, S + 1, (B, T), generator=gen)
+    out = cpu_ops.attention(q, k, v, n_keys, D**-0.5)
+    ref = cpu_ops.attention_reference(q.float(), k.float(), v.float(), n_keys, D**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    # a query's output does not depend on the others
+    for b in range(B):
+        for t in range(T):
+            one = cpu_ops.attention(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], n_keys[b:b + 1, t:t + 1], D**-0.5)
+            assert torch.equal(one[0, 0], out[b, t])
+
+
+def test_kv_write_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.zeros(2, 3, 10, 8) for _ in range(4)]
+    k, v = torch.randn(2, 4, 3, 8, generator=gen), torch.randn(2, 4, 3, 8, generator=gen)
+    pos = torch.tensor([[0, 1, 2, 3], [5, 6, 9, 9]])  # the scratch slot (9) written twice: last wins
+    cpu_ops.kv_write(caches[0], caches[1], k, v, pos)
+    cpu_ops.kv_write_reference(caches[2], caches[3], k, v, pos)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def decoder_setup(folder, dtype, batch, seed=0):
+    model = LoadedModel.load(folder, "cpu", dtype)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    features = torch.randn(batch, cfg.max_source_positions, cfg.d_model, generator=gen).to(dtype)
+    return model, features, gen
+
+
+def fresh_cache(model, features, dtype):
+    cache = DecoderCache.allocate(model.config, features.shape[0], "cpu", dtype)
+    model.model.decoder.fill_cross(cache, features)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_hidden_matches_reference(head64, dtype):
+    model, features, gen = decoder_setup(head64, dtype, batch=2)
+    dec = model.model.decoder
+    tokens = torch.randint(0, 50000, (2, 12), generator=gen)
+    # rows at different positions; the last one past the end (scratch slot)
+    pos = torch.stack([torch.arange(12), torch.arange(440, 452).clamp(max=449)])
+    with torch.inference_mode():
+        fast_cache, ref_cache = fresh_cache(model, features, dtype), fresh_cache(model, features, dtype)
+        fast = dec.hidden(tokens, pos, fast_cache)
+        with cpu_ops.reference():
+            ref = dec.hidden(tokens, pos, ref_cache)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fast, ref, rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close(fast_cache.self_k, ref_cache.self_k, rtol=2e-4, atol=2e-4)
+    else:
+        # the reference rounds intermediate results (attention, products) to bf16 where the fast
+        # ops keep fp32 until each op's output: both err alike against an fp32 run (measured
+        # mean 0.018, max 0.15-0.17 here); they differ by a few bf16 steps of the overall scale
+        for a, b in ((fast, ref), (fast_cache.self_k, ref_cache.self_k)):
+            diff, scale = (a.float() - b.float()).abs(), b.float().abs().max()
+            assert diff.max() <= 0.05 * scale and diff.mean() <= 0.005 * scale, (diff.max(), diff.mean(), scale)
+    # fast logits and greedy equal the slow path's on these hidden states
+    with torch.inference_mode():
+        logits = model.logits(fast)
+        with cpu_ops.reference():
+            slow = model.logits(fast)
+    # bfloat16: the reference rounds each logit to bf16 (relative 2^-8); the fast head does not
+    tol = 1e-4 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(logits, slow, rtol=tol, atol=tol * slow.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_results_do_not_depend_on_batch_or_t(head64, dtype):
+    """Row 0 run alone one position at a time, in a batch of 3 with other rows, and as one
+    4-position block: the same hidden states bit for bit."""
+    model, features, gen = decoder_setup(head64, dtype, batch=3)
+    dec = model.model.decoder
+    prompt = torch.randint(0, 50000, (3, 4), generator=gen)
+    new = torch.randint(0, 50000, (3, 4), generator=gen)
+    with torch.inference_mode():
+        alone = fresh_cache(model, features[:1], dtype)
+        dec.hidden(prompt[:1], torch.arange(4)[None], alone)
+        steps = torch.cat([dec.hidden(new[:1, t:t + 1], torch.tensor([[4 + t]]), alone) for t in range(4)], dim=1)
+
+        batch = fresh_cache(model, features, dtype)
+        # other rows at other positions, with another prompt length
+        pos = torch.stack([torch.arange(4), torch.arange(4), torch.arange(4)])
+        dec.hidden(prompt, pos, batch)
+        block = dec.hidden(new, torch.stack([torch.arange(4, 8), torch.arange(6, 10), torch.arange(4, 8)]), batch,
+                           kv_len=10)
+    assert torch.equal(steps[0], block[0])
+    head_alone = model.greedy(steps, model.suppress)
+    assert torch.equal(head_alone[0], model.greedy(block, model.suppress)[0])
+
+
+def test_screened_head_equals_fast_logits_argmax(head64):
+    model, features, gen = decoder_setup(head64, torch.float32, batch=1)
+    hidden = torch.randn(3, 5, model.config.d_model, generator=gen) * 2
+    banned = torch.rand(3, 5, model.config.vocab_size, generator=gen) < 0.3
+    expected = model.logits(hidden).masked_fill(banned, -float("inf")).argmax(-1)
+    assert torch.equal(model.greedy(hidden, banned), expected)
+    assert torch.equal(model.greedy(hidden, model.suppress),
+                       model.logits(hidden).masked_fill(model.suppress, -float("inf")).argmax(-1))
+
+
+def test_screened_head_falls_back_when_candidates_overflow(monkeypatch):
+    """Many tokens tied within bf16 resolution: more candidates than MAX_CANDIDATES, so the
+    row takes the full float32 head, and the answer is still exact (lowest id on exact ties)."""
+    import specwhisper.head as heads
+
+    monkeypatch.setattr(heads, "MAX_CANDIDATES", 4)
+    gen = torch.Generator().manual_seed(3)
+    d = 32
+    weight = torch.randn(200, d, generator=gen) * 0.01
+    h = torch.randn(2, d, generator=gen)
+    unit = h[0] / h[0].norm()
+    for i in range(10):
+        weight[50 + i] = 3 * unit + 1e-6 * i * unit  # ten near-ties, the last one highest
+    weight[70] = weight[59]  # an exact tie with 59 at a higher id
+    head = ScreenedHead(weight)
+    expected = cpu_ops.linear(h, weight, None, torch.float32).argmax(-1)
+    assert head.argmax_reference(h).tolist() == expected.tolist() and expected[0] == 59
+    assert head.argmax(h).tolist() == expected.tolist()  # the C++ op keeps every candidate
+
+
+def test_bfloat16_speculative_equals_target_only(head64):
+    from specwhisper import load_audio, log_mel_spectrogram
+    from specwhisper.samples import sample_paths
+
+    mel = log_mel_spectrogram(load_audio(sample_paths()[0]), n_mels=80)
+    plain = Engine(head64, dtype=torch.bfloat16).transcribe(mel, language="en", max_new_tokens=20)
+    spec = Engine(head64, head64, dtype=torch.bfloat16).transcribe(mel, language="en", max_new_tokens=20,
+                                                                   num_draft_tokens=3)
+    assert len(plain.tokens) >= 10
+    assert spec.tokens == plain.tokens
+    assert spec.stats.acceptance_rate == 1.0  # its own draft: every proposal is the target's choice
