@@ -107,6 +107,7 @@ def measure(n_seeds: int) -> dict:
                 draft_won = draft_to_target[race_winners(q_draft, draft_ids, seeds, position)]
                 sums[T]["race"] += (target_won == draft_won).double().mean().item()
                 race_seconds += time.perf_counter() - tic
+        print(f"{path.name}: {positions} positions so far", flush=True)
     rows = []
     for T in TEMPERATURES:
         race = sums[T]["race"] / positions

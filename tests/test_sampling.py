@@ -552,6 +552,7 @@ def _race_counts(temperature, top_p, seed=31, noise_power=1.0):
     return logits, np.bincount(tokens.numpy(), minlength=V_STAT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", STAT_CASES)
 def test_race_follows_processed_probs(temperature, top_p):
     logits, counts = _race_counts(temperature, top_p)
@@ -561,6 +562,7 @@ def test_race_follows_processed_probs(temperature, top_p):
     assert dof >= 3 and _sf(stat, dof) > 1e-4
 
 
+@pytest.mark.slow
 def test_race_statistical_test_has_power():
     logits, counts = _race_counts(1.0, 1.0)
     wrong = S.processed_probs(logits, 1.05, 1.0).double().numpy()
