@@ -101,7 +101,8 @@ def cmd_distill(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = DistillOptions(layers=args.layers, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
-                          lr=args.lr, seed=args.seed, language=args.language, bf16=args.bf16, device=args.device)
+                          lr=args.lr, seed=args.seed, language=args.language, max_new_tokens=args.max_new_tokens,
+                          bf16=args.bf16, device=args.device)
     report = distill(model_folder(args.target), args.audio, args.out, opts)
     for line in report.skipped:
         print(f"skipped {line}", file=sys.stderr)
@@ -124,8 +125,10 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--lr", type=float, default=3e-4)
     d.add_argument("--language", default=None, help="language of the audio (default: detected per window)")
+    d.add_argument("--max-new-tokens", type=int, default=None, help="cap on the teacher's tokens per window")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--bf16", action="store_true", help="bfloat16 autocast while training")
+    d.add_argument("--bf16", action="store_true", help="bfloat16 autocast while training (for GPUs; "
+                   "CPU builds without bf16 kernels run it far slower)")
     d.add_argument("--device", default=None)
     d.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     d.set_defaults(func=cmd_distill)

@@ -90,6 +90,12 @@ def test_minutes_bound_the_training(multilingual, clips, tmp_path):
     assert (tmp_path / "draft" / "model.safetensors").is_file()
 
 
+def test_bf16_autocast_trains_and_saves_float32(multilingual, clips, tmp_path):
+    report = distill(multilingual, clips, tmp_path / "draft", replace(OPTS, steps=1, bf16=True))
+    assert report.step == 1 and torch.isfinite(torch.tensor(report.losses)).all()
+    assert weights(tmp_path / "draft")["model.decoder.layers.0.fc1.weight"].dtype == torch.float32
+
+
 def test_unusable_audio_folders(multilingual, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         distill(multilingual, tmp_path / "missing", tmp_path / "out", OPTS)
@@ -146,3 +152,14 @@ def test_batches_label_only_generated_positions():
     assert sorted(picks) == [0, 1]
     # the order is seeded: the same (seed, step) gives the same batch
     assert batch_of(examples, 5, opts, 0, "cpu")[0] == batch_of(examples, 5, opts, 0, "cpu")[0]
+
+
+def test_cli(multilingual, clips, tmp_path, capsys):
+    from specwhisper.cli import main
+
+    out = tmp_path / "draft"
+    assert main(["distill", "--target", str(multilingual), "--audio", str(clips), "--out", str(out),
+                 "--steps", "2", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
+                 "--device", "cpu"]) == 0
+    assert "2 steps in all" in capsys.readouterr().out
+    assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
