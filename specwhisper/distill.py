@@ -81,6 +81,7 @@ class Example:
     features: torch.Tensor  # [1500, d_model] float32: the target encoder's output
     prompt: list[int]  # the decoder prompt the target used
     tokens: list[int]  # the target's greedy tokens after the prompt, without EOT
+    ended: bool = True  # the target emitted EOT after `tokens` (False: cut at the length limit)
 
 
 @dataclass
@@ -149,7 +150,8 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
                 entry = cache / f"{_cache_key(target_id, path, w, opts)}.pt"
                 if entry.is_file():
                     saved = torch.load(entry, weights_only=True)
-                    example = Example(saved["features"], saved["prompt"], saved["tokens"])
+                    example = Example(saved["features"], saved["prompt"], saved["tokens"],
+                                      saved.get("ended", True))
                 else:
                     captured.clear()
                     result = engine.transcribe(torch.from_numpy(audio[start:start + WINDOW_SAMPLES]),
@@ -158,8 +160,10 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
                         raise RuntimeError(f"expected one encoder call per window, saw {len(captured)}")
                     features = captured[0][0].float().cpu().clone()  # a normal tensor, not an inference one
                     prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
-                    example = Example(features, prompt, list(result.tokens))
-                    torch.save({"features": features, "prompt": prompt, "tokens": example.tokens}, entry)
+                    limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
+                    example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
+                    torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
+                                "ended": example.ended}, entry)
                 if not example.tokens:
                     skipped.append(f"{path} (window {w}): the target transcribes it to nothing")
                     continue
@@ -175,7 +179,8 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
 def batch_of(examples: list[Example], step: int, opts: DistillOptions, eot: int, device):
     """The batch for optimizer step `step`: a walk through seeded per-epoch permutations, so the
     batch depends only on (seed, step). -> example indices [B], inputs [B, T], labels [B, T]
-    (-100 where no loss: prompt positions and padding)."""
+    (-100 where no loss: prompt positions and padding). EOT is a label only where the target
+    emitted it."""
     n, bs = len(examples), opts.batch_size
     picks = []
     for i in range(step * bs, (step + 1) * bs):
@@ -184,7 +189,7 @@ def batch_of(examples: list[Example], step: int, opts: DistillOptions, eot: int,
         picks.append(int(order[at]))
     seqs, starts = [], []
     for ex in (examples[i] for i in picks):
-        seqs.append(ex.prompt + ex.tokens + [eot])
+        seqs.append(ex.prompt + ex.tokens + ([eot] if ex.ended else []))
         starts.append(len(ex.prompt) - 1)  # the last prompt position predicts the first token
     T = max(len(s) for s in seqs) - 1
     inputs = torch.full((bs, T), eot, dtype=torch.long)

@@ -150,6 +150,11 @@ def test_batches_label_only_generated_positions():
     # input: prompt + tokens (EOT-padded); label: tokens + EOT from the last prompt position on
     assert rows == {(9, 8, 7, 1, 2): [-100, -100, 1, 2, 0], (9, 8, 7, 3, 0): [-100, -100, 3, 0, -100]}
     assert sorted(picks) == [0, 1]
+    # a transcript cut at the length limit has no EOT to learn
+    examples[1].ended = False
+    _, inputs, labels = batch_of(examples, 0, opts, eot=0, device="cpu")
+    rows = {tuple(inputs[b].tolist()): labels[b].tolist() for b in range(2)}
+    assert rows == {(9, 8, 7, 1, 2): [-100, -100, 1, 2, 0], (9, 8, 7, 0, 0): [-100, -100, 3, -100, -100]}
     # the order is seeded: the same (seed, step) gives the same batch
     assert batch_of(examples, 5, opts, 0, "cpu")[0] == batch_of(examples, 5, opts, 0, "cpu")[0]
 
