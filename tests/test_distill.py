@@ -52,6 +52,11 @@ def test_saved_folder_is_a_shared_encoder_draft_with_identical_output(multilingu
     encoder = sorted(k for k in original if k.startswith("model.encoder."))
     assert encoder and all(torch.equal(saved[k], original[k]) for k in encoder)
 
+    from transformers import WhisperForConditionalGeneration
+
+    hf, info = WhisperForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and len(hf.model.decoder.layers) == 2
+
     engine, plain = Engine(multilingual, draft=out, device="cpu"), Engine(multilingual, device="cpu")
     assert engine.drafter.shared_encoder
     assert engine.drafter.draft.config.decoder_layers == 2
