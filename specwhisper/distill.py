@@ -162,8 +162,10 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
                     prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
                     limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
                     example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
+                    tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
                     torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
-                                "ended": example.ended}, entry)
+                                "ended": example.ended}, tmp)
+                    tmp.replace(entry)
                 if not example.tokens:
                     skipped.append(f"{path} (window {w}): the target transcribes it to nothing")
                     continue
