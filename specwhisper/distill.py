@@ -8,8 +8,9 @@ transcripts of the user's audio (self-distillation: no labels needed).
 2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
    (first and last for 2), with the target's token/position embeddings and final layer norm, learns
    to predict the target's tokens (teacher forcing, cross-entropy over the generated positions and
-   EOT, prompt positions excluded) with AdamW. The token embedding, which is also the tied output
-   head, stays frozen: the draft scores tokens with the target's own head.
+   EOT, prompt positions excluded) with AdamW. Frozen: the token embedding, which is also the tied
+   output head (the draft scores tokens with the target's own head), and the cross-attention
+   key/value projections, whose output for each window is then computed once.
 3. *Saving*: OUT becomes a Hugging Face Whisper folder (config.json with `decoder_layers`,
    model.safetensors with the target's encoder tensors copied unchanged plus the new decoder,
    tokenizer and generation config copied), which `Engine(target, draft=OUT)` recognizes as sharing
