@@ -40,6 +40,8 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".we
 STATE_FILE = ".distill_state.pt"
 CACHE_DIR = ".distill_cache"
 WINDOW_SAMPLES = 30 * 16000  # one Whisper window of 16 kHz audio
+TOKENIZER_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json", "tokenizer_config.json",
+                   "vocab.json", "merges.txt", "normalizer.json", "added_tokens.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
@@ -295,10 +297,9 @@ def save_draft(decoder: Decoder, target_folder: Path, out: Path) -> None:
     config = json.loads((target_folder / "config.json").read_text())
     config["decoder_layers"] = len(decoder.layers)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for src in sorted(target_folder.iterdir()):
-        if src.is_file() and src.name not in ("config.json", "model.safetensors.index.json") and \
-                src.suffix in (".json", ".txt"):
-            shutil.copyfile(src, out / src.name)
+    for name in TOKENIZER_FILES:
+        if (target_folder / name).is_file():
+            shutil.copyfile(target_folder / name, out / name)
 
 
 # ---------------------------------------------------------------- the run
