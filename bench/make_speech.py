@@ -10,7 +10,8 @@ by a hash of its text), so the two never share a sentence, and none equals a bun
 
     python bench/make_speech.py --out /tmp/speech-train --n 300
     python bench/make_speech.py --out /tmp/speech-heldout --n 20 --split heldout
-Needs flite, espeak-ng and sox on PATH.
+The grammar is small (14 templates): a draft trained on it learns that domain; held-out
+acceptance on it is in-domain. Needs flite, espeak-ng and sox on PATH.
 """
 from __future__ import annotations
 
