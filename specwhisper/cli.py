@@ -1,4 +1,4 @@
-"""Command line: `specwhisper transcribe | demo | fetch | convert | serve | bulk`."""
+"""Command line: `specwhisper transcribe | demo | fetch | convert | serve | bulk | distill`."""
 from __future__ import annotations
 
 import argparse
@@ -188,6 +188,45 @@ def add_bulk_parser(sub) -> None:
     b.add_argument("--device", choices=["cuda", "cpu"], help="default: GPU actors if the cluster has GPUs")
     b.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     b.set_defaults(func=cmd_bulk)
+def cmd_distill(args) -> int:
+    import torch
+
+    from .distill import DistillOptions, distill
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    opts = DistillOptions(layers=args.layers, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
+                          lr=args.lr, seed=args.seed, language=args.language, max_new_tokens=args.max_new_tokens,
+                          bf16=args.bf16, device=args.device)
+    report = distill(model_folder(args.target), args.audio, args.out, opts)
+    for line in report.skipped:
+        print(f"skipped {line}", file=sys.stderr)
+    last = report.losses[-20:]
+    print(f"{report.out}: {report.step} steps in all ({len(report.losses)} now, {report.train_seconds:.0f} s; "
+          f"teacher pass {report.teacher_seconds:.0f} s over {report.examples} windows)"
+          + (f", loss {sum(last) / len(last):.3f}" if last else ""))
+    return 0
+
+
+def add_distill_parser(sub) -> None:
+    d = sub.add_parser("distill", help="train a small draft that shares the target's encoder, from the "
+                                       "target's own transcripts of your audio")
+    d.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
+    d.add_argument("--audio", required=True, type=Path, help="folder of audio files (searched recursively)")
+    d.add_argument("--out", required=True, type=Path, help="draft folder to write (a rerun resumes it)")
+    d.add_argument("--layers", type=int, default=2, help="decoder blocks of the draft")
+    d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all")
+    d.add_argument("--minutes", type=float, default=None, help="wall-time bound of this run's training phase")
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--lr", type=float, default=3e-4)
+    d.add_argument("--language", default=None, help="language of the audio (default: detected per window)")
+    d.add_argument("--max-new-tokens", type=int, default=None, help="cap on the teacher's tokens per window")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--bf16", action="store_true", help="bfloat16 autocast while training (for GPUs; "
+                   "CPU builds without bf16 kernels run it far slower)")
+    d.add_argument("--device", default=None)
+    d.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    d.set_defaults(func=cmd_distill)
 
 
 def main(argv=None) -> int:
@@ -247,6 +286,7 @@ def main(argv=None) -> int:
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
     add_bulk_parser(sub)
+    add_distill_parser(sub)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,387 @@
+"""Train a small draft decoder that shares the target's encoder, from the target's own greedy
+transcripts of the user's audio (self-distillation: no labels needed).
+
+1. *Teacher pass*: every audio file (cut into 30 s windows) is transcribed greedily by
+   `Engine(target)`; the encoder output of that call is kept. Each window gives an `Example`
+   (audio features [1500, d_model], prompt, generated tokens), cached one file per window under
+   OUT/.distill_cache, so a rerun skips the pass.
+2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
+   (first and last for 2), with the target's token/position embeddings and final layer norm, learns
+   to predict the target's tokens (teacher forcing, cross-entropy over the generated positions and
+   EOT, prompt positions excluded) with AdamW. Frozen: the token embedding, which is also the tied
+   output head (the draft scores tokens with the target's own head), and the cross-attention
+   key/value projections, whose output for each window is then computed once.
+3. *Saving*: OUT becomes a Hugging Face Whisper folder (config.json with `decoder_layers`,
+   model.safetensors with the target's encoder tensors copied unchanged plus the new decoder,
+   tokenizer and generation config copied), which `Engine(target, draft=OUT)` recognizes as sharing
+   the target's encoder (`draft.shares_encoder`), so the encoder runs once per window.
+
+Resumable (OUT/.distill_state.pt holds weights, optimizer and step; a rerun continues) and
+deterministic: the batch at step s depends only on (seed, s), so the same seed gives the same
+weights, with or without an interruption.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .model import Decoder, Whisper
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".webm", ".mp4"}
+STATE_FILE = ".distill_state.pt"
+CACHE_DIR = ".distill_cache"
+WINDOW_SAMPLES = 30 * 16000  # one Whisper window of 16 kHz audio
+TOKENIZER_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json", "tokenizer_config.json",
+                   "vocab.json", "merges.txt", "normalizer.json", "added_tokens.json", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    layers: int = 2  # decoder blocks of the draft
+    steps: int = 1000  # optimizer steps in all (a resumed run continues up to this)
+    minutes: float | None = None  # wall-time bound of the training phase of this run (None: no bound)
+    batch_size: int = 8  # windows per optimizer step
+    lr: float = 3e-4  # AdamW learning rate (after a linear warm-up)
+    warmup: int = 20  # warm-up steps
+    weight_decay: float = 0.01  # AdamW weight decay
+    checkpoint_every: int = 50  # steps between saves of OUT/.distill_state.pt
+    seed: int = 0  # batch order (the only randomness)
+    language: str | None = None  # teacher's language; None: the target detects it per window
+    max_new_tokens: int | None = None  # cap on the teacher's transcript per window (None: Whisper's)
+    bf16: bool = False  # bfloat16 autocast for the training forward/backward
+    device: str | None = None  # None: cuda if available, else cpu
+    progress: bool = True  # tqdm progress bars
+
+    def __post_init__(self):
+        if self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1 or self.warmup < 0:
+            raise ValueError("steps must be >= 0; batch_size and checkpoint_every >= 1; warmup >= 0")
+        if self.minutes is not None and not self.minutes > 0:
+            raise ValueError(f"minutes must be > 0, got {self.minutes}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must share with the saved one (steps and minutes may change)."""
+        return {k: v for k, v in asdict(self).items() if k in ("layers", "batch_size", "lr", "warmup",
+                                                                 "weight_decay", "seed", "bf16")}
+
+
+@dataclass
+class Example:
+    """One audio window as the teacher saw it."""
+
+    features: torch.Tensor  # [1500, d_model] float32: the target encoder's output
+    prompt: list[int]  # the decoder prompt the target used
+    tokens: list[int]  # the target's greedy tokens after the prompt, without EOT
+    ended: bool = True  # the target emitted EOT after `tokens` (False: cut at the length limit)
+
+
+@dataclass
+class DistillReport:
+    out: Path  # the saved draft folder
+    examples: int  # training windows
+    skipped: list[str] = field(default_factory=list)  # files or windows not used, with the reason
+    step: int = 0  # optimizer steps done in all (resumed runs included)
+    losses: list[float] = field(default_factory=list)  # per step of this run
+    teacher_seconds: float = 0.0  # teacher pass of this run
+    train_seconds: float = 0.0  # training phase of this run
+
+
+# ---------------------------------------------------------------- data
+def audio_files(folder: str | Path) -> list[Path]:
+    """Audio files under `folder` (recursively), sorted; clear errors for unusable folders."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"audio folder {folder} does not exist")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"audio folder {folder} is not a folder")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if not files:
+        raise ValueError(f"audio folder {folder} holds no audio files ({', '.join(sorted(AUDIO_SUFFIXES))})")
+    return files
+
+
+def _cache_key(target_id: str, path: Path, window: int, opts: DistillOptions) -> str:
+    st = path.stat()
+    text = json.dumps([target_id, str(path.resolve()), st.st_size, st.st_mtime_ns, window,
+                       opts.language, opts.max_new_tokens])
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _target_id(folder: Path) -> str:
+    return json.dumps([str(folder.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                 for p in sorted(folder.glob("*.safetensors"))])
+
+
+def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOptions,
+                     skipped: list[str]) -> list[Example]:
+    """Transcribe every 30 s window of `files` with `engine` (greedy) -> Examples, cached in `cache`.
+    Undecodable files and windows the target transcribes to nothing are appended to `skipped`."""
+    from tqdm import tqdm
+
+    from .audio import load_audio
+
+    target = engine.target
+    tok, target_id = target.tokenizer, _target_id(target.path)
+    cache.mkdir(parents=True, exist_ok=True)
+    captured: list[torch.Tensor] = []
+    hook = target.model.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
+    examples = []
+    try:
+        for path in tqdm(files, desc="teacher pass", unit="file", disable=not opts.progress):
+            try:
+                audio = load_audio(path)
+            except Exception as exc:  # any decoder failure: the file is unusable, not the run
+                skipped.append(f"{path}: cannot decode ({type(exc).__name__}: {exc})")
+                continue
+            if audio.size == 0:
+                skipped.append(f"{path}: no samples")
+                continue
+            for w, start in enumerate(range(0, audio.size, WINDOW_SAMPLES)):
+                entry = cache / f"{_cache_key(target_id, path, w, opts)}.pt"
+                if entry.is_file():
+                    saved = torch.load(entry, weights_only=True)
+                    example = Example(saved["features"], saved["prompt"], saved["tokens"],
+                                      saved.get("ended", True))
+                else:
+                    captured.clear()
+                    result = engine.transcribe(torch.from_numpy(audio[start:start + WINDOW_SAMPLES]),
+                                               language=opts.language, max_new_tokens=opts.max_new_tokens)
+                    if len(captured) != 1:
+                        raise RuntimeError(f"expected one encoder call per window, saw {len(captured)}")
+                    features = captured[0][0].float().cpu().clone()  # a normal tensor, not an inference one
+                    prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
+                    limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
+                    example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
+                    tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
+                    torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
+                                "ended": example.ended}, tmp)
+                    tmp.replace(entry)
+                if not example.tokens:
+                    skipped.append(f"{path} (window {w}): the target transcribes it to nothing")
+                    continue
+                examples.append(example)
+    finally:
+        hook.remove()
+    if not examples:
+        detail = "; ".join(skipped[:5]) + (" …" if len(skipped) > 5 else "")
+        raise ValueError(f"no usable audio among {len(files)} files: {detail}")
+    return examples
+
+
+def batch_of(examples: list[Example], step: int, opts: DistillOptions, eot: int, device):
+    """The batch for optimizer step `step`: a walk through seeded per-epoch permutations, so the
+    batch depends only on (seed, step). -> example indices [B], inputs [B, T], labels [B, T]
+    (-100 where no loss: prompt positions and padding). EOT is a label only where the target
+    emitted it."""
+    n, bs = len(examples), opts.batch_size
+    picks = []
+    for i in range(step * bs, (step + 1) * bs):
+        epoch, at = divmod(i, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(opts.seed * 1_000_003 + epoch))
+        picks.append(int(order[at]))
+    seqs, starts = [], []
+    for ex in (examples[i] for i in picks):
+        seqs.append(ex.prompt + ex.tokens + ([eot] if ex.ended else []))
+        starts.append(len(ex.prompt) - 1)  # the last prompt position predicts the first token
+    T = max(len(s) for s in seqs) - 1
+    inputs = torch.full((bs, T), eot, dtype=torch.long)
+    labels = torch.full((bs, T), -100, dtype=torch.long)
+    for b, (s, p) in enumerate(zip(seqs, starts)):
+        inputs[b, :len(s) - 1] = torch.tensor(s[:-1])
+        labels[b, p:len(s) - 1] = torch.tensor(s[p + 1:])
+    return picks, inputs.to(device), labels.to(device)
+
+
+# ---------------------------------------------------------------- model
+def layer_choice(n_target: int, n_draft: int) -> list[int]:
+    """Target blocks the draft's blocks start from: spread over the depth, first and last kept."""
+    if not 1 <= n_draft <= n_target:
+        raise ValueError(f"the draft's layers must be in 1..{n_target} (the target's), got {n_draft}")
+    if n_draft == 1:
+        return [n_target - 1]
+    return [round(i * (n_target - 1) / (n_draft - 1)) for i in range(n_draft)]
+
+
+def init_draft_decoder(target: Whisper, layers: int) -> Decoder:
+    """A fresh `Decoder` of `layers` blocks copied from the target's (see `layer_choice`), with the
+    target's embeddings and final layer norm. Frozen: the token embedding (the tied head) and the
+    cross-attention key/value projections (their output for the training audio is computed once;
+    the queries adapt)."""
+    cfg = replace(target.config, decoder_layers=layers)
+    src = target.decoder.state_dict()
+    state = {k: v for k, v in src.items() if not k.startswith("layers.")}
+    for i, j in enumerate(layer_choice(target.config.decoder_layers, layers)):
+        state.update({f"layers.{i}.{k[len(f'layers.{j}.'):]}": v for k, v in src.items()
+                      if k.startswith(f"layers.{j}.")})
+    decoder = Decoder(cfg)
+    decoder.load_state_dict({k: v.detach().float().cpu().clone() for k, v in state.items()}, strict=True)
+    decoder.embed_tokens.weight.requires_grad_(False)
+    for layer in decoder.layers:  # frozen cross K/V: computed once per window (see `cross_kv`)
+        layer.encoder_attn.k_proj.requires_grad_(False)
+        layer.encoder_attn.v_proj.requires_grad_(False)
+    return decoder
+
+
+@torch.no_grad()
+def cross_kv(decoder: Decoder, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention keys and values of every block for features [B, 1500, d] -> (k, v), each
+    [B, layers, heads, 1500, head_dim]. Their projections are frozen, so they are computed once
+    per window."""
+    kv = [layer.encoder_attn.project(features, ("k", "v")) for layer in decoder.layers]
+    return torch.stack([k for k, _ in kv], dim=1), torch.stack([v for _, v in kv], dim=1)
+
+
+def teacher_forced_hidden(decoder: Decoder, cross_k: torch.Tensor, cross_v: torch.Tensor,
+                          inputs: torch.Tensor) -> torch.Tensor:
+    """Training forward of `decoder`: inputs [B, T] at positions 0..T-1, causal self-attention, cross
+    attention to cross_k/cross_v [B, layers, heads, 1500, head_dim] -> hidden [B, T, d]. The same
+    blocks and arithmetic as `Decoder.hidden` with a cache (right padding never affects earlier
+    positions)."""
+    T = inputs.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=inputs.device).tril()
+    x = decoder.embed_tokens(inputs) + decoder.embed_positions.weight[:T]
+    for i, layer in enumerate(decoder.layers):
+        q, k, v = layer.self_attn.project(layer.self_attn_layer_norm(x), ("q", "k", "v"))
+        x = x + layer.self_attn.attend_q(q, k, v, causal)
+        x = x + layer.encoder_attn.attend(layer.encoder_attn_layer_norm(x), cross_k[:, i], cross_v[:, i])
+        x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+    return decoder.layer_norm(x)
+
+
+def distill_loss(decoder: Decoder, cross_k, cross_v, inputs, labels) -> torch.Tensor:
+    """Mean cross-entropy of the draft against the teacher's tokens over the labelled positions
+    (the head runs only there)."""
+    hidden = teacher_forced_hidden(decoder, cross_k, cross_v, inputs)
+    keep = labels >= 0
+    logits = decoder.logits(hidden[keep]).float()  # [N, V]
+    return F.cross_entropy(logits, labels[keep])
+
+
+def learning_rate(step: int, opts: DistillOptions) -> float:
+    """Linear warm-up, then constant: the rate at a step does not depend on how long the run will
+    be, so a run bounded by `minutes`, extended with more `steps` or resumed trains the same way."""
+    return opts.lr * min(1.0, (step + 1) / opts.warmup) if opts.warmup else opts.lr
+
+
+# ---------------------------------------------------------------- saving
+def save_draft(decoder: Decoder, target_folder: Path, out: Path) -> None:
+    """Write OUT as a HF Whisper folder: the target's encoder tensors copied unchanged (their stored
+    dtype), the draft decoder, config.json with decoder_layers, the target's tokenizer files."""
+    from .weights import checkpoint_files
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for path in checkpoint_files(target_folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.startswith("model.encoder."):
+                    state[key] = f.get_tensor(key)
+    state.update({f"model.decoder.{k}": v.detach().cpu().contiguous().clone()
+                  for k, v in decoder.state_dict().items()})
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    config = json.loads((target_folder / "config.json").read_text())
+    config["decoder_layers"] = len(decoder.layers)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (target_folder / name).is_file():
+            shutil.copyfile(target_folder / name, out / name)
+
+
+# ---------------------------------------------------------------- the run
+def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> DistillReport:
+    """Train and save a shared-encoder draft for `target` (a folder or hub id) from the audio files
+    under `audio` into the folder `out`; resumes a run saved there with the same settings."""
+    from tqdm import tqdm
+
+    from .decoding import resolve_model_path
+    from .engine import Engine
+
+    files = audio_files(audio)
+    target_folder = resolve_model_path(target)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = DistillReport(out=out, examples=0)
+
+    engine = Engine(target_folder, device=opts.device)
+    device = engine.device
+    eot = engine.target.tokenizer.eot
+    t0 = time.perf_counter()
+    examples = teacher_examples(engine, files, out / CACHE_DIR, opts, report.skipped)
+    report.teacher_seconds = time.perf_counter() - t0
+    report.examples = len(examples)
+
+    decoder = init_draft_decoder(engine.target.model, opts.layers)
+    del engine  # the teacher's decoder and caches are no longer needed
+    decoder.to(device).train()
+    params = [p for p in decoder.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.98), eps=1e-6,
+                                  weight_decay=opts.weight_decay)
+    state_path = out / STATE_FILE
+    step = 0
+    if state_path.is_file():
+        saved = torch.load(state_path, map_location=device, weights_only=True)
+        if saved["options"] != opts.fingerprint() or saved["target"] != str(target_folder.resolve()):
+            raise ValueError(f"{state_path} belongs to a run with other settings ({saved['options']}, "
+                             f"target {saved['target']}); use another --out or delete that file to start over")
+        decoder.load_state_dict(saved["decoder"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+
+    def checkpoint():
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"step": step, "decoder": decoder.state_dict(), "optimizer": optimizer.state_dict(),
+                    "options": opts.fingerprint(), "target": str(target_folder.resolve())}, tmp)
+        tmp.replace(state_path)
+
+    t0 = time.perf_counter()
+    deadline = None if opts.minutes is None else t0 + 60 * opts.minutes
+    bar = tqdm(total=opts.steps, initial=step, desc="distill", unit="step", disable=not opts.progress)
+    smooth, cross = None, {}
+    try:
+        while step < opts.steps and (deadline is None or time.perf_counter() < deadline):
+            picks, inputs, labels = batch_of(examples, step, opts, eot, device)
+            for i in picks:
+                if i not in cross:  # float16 in memory: half of 2·layers·1500·d floats per window
+                    k, v = cross_kv(decoder, examples[i].features[None].to(device))
+                    cross[i] = (k[0].half(), v[0].half())
+                    examples[i].features = None
+            cross_k = torch.stack([cross[i][0] for i in picks]).float()
+            cross_v = torch.stack([cross[i][1] for i in picks]).float()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, opts)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.bf16):
+                loss = distill_loss(decoder, cross_k, cross_v, inputs, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            report.losses.append(loss.item())
+            smooth = report.losses[-1] if smooth is None else 0.9 * smooth + 0.1 * report.losses[-1]
+            bar.update(1)
+            bar.set_postfix(loss=f"{smooth:.3f}")
+            if step % opts.checkpoint_every == 0:
+                checkpoint()
+    finally:  # an interruption keeps what was learned
+        bar.close()
+        report.train_seconds = time.perf_counter() - t0
+        report.step = step
+        checkpoint()
+        decoder.eval()
+        save_draft(decoder, target_folder, out)
+    return report

@@ -1,0 +1,175 @@
+"""specwhisper.distill: a trained shared-encoder draft from the target's own transcripts.
+
+A tiny random target (the `multilingual` fixture) and three bundled clips keep every run to a few
+seconds; the teacher's transcripts are capped at 16 tokens."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specwhisper import Engine
+from specwhisper.distill import (DistillOptions, Example, audio_files, batch_of, cross_kv, distill,
+                                 init_draft_decoder, layer_choice, teacher_examples, teacher_forced_hidden)
+from specwhisper.model import DecoderCache
+from specwhisper.samples import sample_paths
+from specwhisper.weights import load_whisper
+
+OPTS = DistillOptions(steps=3, batch_size=2, lr=1e-3, warmup=0, language="en", max_new_tokens=16,
+                      progress=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clips")
+    for path in sample_paths()[:3]:
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+def weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_loss_decreases(multilingual, clips, tmp_path):
+    # one batch = all three windows, so every step sees the same data and losses compare
+    report = distill(multilingual, clips, tmp_path / "draft", replace(OPTS, steps=6, batch_size=3))
+    assert report.examples == 3 and report.step == 6 and len(report.losses) == 6
+    assert report.losses[-1] < report.losses[0] - 0.1, report.losses
+
+
+def test_saved_folder_is_a_shared_encoder_draft_with_identical_output(multilingual, clips, tmp_path):
+    out = tmp_path / "draft"
+    distill(multilingual, clips, out, OPTS)
+    assert json.loads((out / "config.json").read_text())["decoder_layers"] == 2
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (multilingual / name).read_bytes()
+    saved, original = weights(out), load_file(str(multilingual / "model.safetensors"))
+    encoder = sorted(k for k in original if k.startswith("model.encoder."))
+    assert encoder and all(torch.equal(saved[k], original[k]) for k in encoder)
+
+    from transformers import WhisperForConditionalGeneration
+
+    hf, info = WhisperForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and len(hf.model.decoder.layers) == 2
+
+    engine, plain = Engine(multilingual, draft=out, device="cpu"), Engine(multilingual, device="cpu")
+    assert engine.drafter.shared_encoder
+    assert engine.drafter.draft.config.decoder_layers == 2
+    for path in sample_paths()[:3]:
+        want = plain.transcribe(path, language="en", max_new_tokens=24)
+        for k in (1, 4):
+            got = engine.transcribe(path, language="en", max_new_tokens=24, num_draft_tokens=k)
+            assert got.tokens == want.tokens
+            assert got.stats.drafted > 0
+
+
+def test_same_seed_gives_bit_identical_weights(multilingual, clips, tmp_path):
+    distill(multilingual, clips, tmp_path / "a", OPTS)
+    distill(multilingual, clips, tmp_path / "b", OPTS)
+    distill(multilingual, clips, tmp_path / "c", replace(OPTS, seed=1))
+    a, b, c = weights(tmp_path / "a"), weights(tmp_path / "b"), weights(tmp_path / "c")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)  # another seed: another batch order
+
+
+def test_resume_continues_from_the_saved_step(multilingual, clips, tmp_path):
+    straight = distill(multilingual, clips, tmp_path / "straight", replace(OPTS, steps=4))
+    first = distill(multilingual, clips, tmp_path / "resumed", replace(OPTS, steps=2))
+    again = distill(multilingual, clips, tmp_path / "resumed", replace(OPTS, steps=4))
+    assert (first.step, again.step, len(again.losses)) == (2, 4, 2)
+    assert again.losses == straight.losses[2:]
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="other settings"):
+        distill(multilingual, clips, tmp_path / "resumed", replace(OPTS, steps=5, lr=2e-3))
+
+
+def test_minutes_bound_the_training(multilingual, clips, tmp_path):
+    report = distill(multilingual, clips, tmp_path / "draft", replace(OPTS, steps=10**6, minutes=1e-4))
+    assert 1 <= report.step < 10**6  # stops after the step in flight, and still saves the draft
+    assert (tmp_path / "draft" / "model.safetensors").is_file()
+
+
+def test_bf16_autocast_trains_and_saves_float32(multilingual, clips, tmp_path):
+    report = distill(multilingual, clips, tmp_path / "draft", replace(OPTS, steps=1, bf16=True))
+    assert report.step == 1 and torch.isfinite(torch.tensor(report.losses)).all()
+    assert weights(tmp_path / "draft")["model.decoder.layers.0.fc1.weight"].dtype == torch.float32
+
+
+def test_unusable_audio_folders(multilingual, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        distill(multilingual, tmp_path / "missing", tmp_path / "out", OPTS)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("no audio here")
+    with pytest.raises(ValueError, match="no audio files"):
+        audio_files(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "broken.wav").write_bytes(b"RIFF not really a wave file")
+    with pytest.raises(ValueError, match="no usable audio.*cannot decode"):
+        distill(multilingual, tmp_path / "bad", tmp_path / "out", OPTS)
+
+
+def test_audio_transcribed_to_nothing_is_refused(multilingual, clips, tmp_path, monkeypatch):
+    engine = Engine(multilingual, device="cpu")
+    transcribe = engine.transcribe
+
+    def empty(*args, **kwargs):
+        result = transcribe(*args, **kwargs)
+        result.tokens = []
+        return result
+
+    monkeypatch.setattr(engine, "transcribe", empty)
+    skipped = []
+    with pytest.raises(ValueError, match="transcribes it to nothing"):
+        teacher_examples(engine, audio_files(clips), tmp_path / "cache", OPTS, skipped)
+    assert len(skipped) == 3
+
+
+def test_teacher_forced_forward_equals_the_cached_decoder(multilingual):
+    """The training forward (all target layers copied) gives the decoder's own hidden states."""
+    target = load_whisper(multilingual)
+    n = target.config.decoder_layers
+    assert layer_choice(6, 2) == [0, 5] and layer_choice(n, n) == list(range(n))
+    copy = init_draft_decoder(target, n)
+    torch.manual_seed(0)
+    features = torch.randn(2, 1500, target.config.d_model)
+    tokens = torch.randint(0, 50257, (2, 7))
+    k, v = cross_kv(copy, features)
+    trained = teacher_forced_hidden(copy, k, v, tokens)
+    cache = DecoderCache.allocate(target.config, 2, "cpu", torch.float32)
+    target.decoder.fill_cross(cache, features)
+    reference = target.decoder.hidden(tokens, torch.arange(7).expand(2, 7), cache)
+    torch.testing.assert_close(trained, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_batches_label_only_generated_positions():
+    examples = [Example(torch.zeros(1), [9, 8, 7], [1, 2]), Example(torch.zeros(1), [9, 8, 7], [3])]
+    opts = replace(OPTS, batch_size=2)
+    picks, inputs, labels = batch_of(examples, 0, opts, eot=0, device="cpu")
+    rows = {tuple(inputs[b].tolist()): labels[b].tolist() for b in range(2)}
+    # input: prompt + tokens (EOT-padded); label: tokens + EOT from the last prompt position on
+    assert rows == {(9, 8, 7, 1, 2): [-100, -100, 1, 2, 0], (9, 8, 7, 3, 0): [-100, -100, 3, 0, -100]}
+    assert sorted(picks) == [0, 1]
+    # a transcript cut at the length limit has no EOT to learn
+    examples[1].ended = False
+    _, inputs, labels = batch_of(examples, 0, opts, eot=0, device="cpu")
+    rows = {tuple(inputs[b].tolist()): labels[b].tolist() for b in range(2)}
+    assert rows == {(9, 8, 7, 1, 2): [-100, -100, 1, 2, 0], (9, 8, 7, 0, 0): [-100, -100, 3, -100, -100]}
+    # the order is seeded: the same (seed, step) gives the same batch
+    assert batch_of(examples, 5, opts, 0, "cpu")[0] == batch_of(examples, 5, opts, 0, "cpu")[0]
+
+
+def test_cli(multilingual, clips, tmp_path, capsys):
+    from specwhisper.cli import main
+
+    out = tmp_path / "draft"
+    assert main(["distill", "--target", str(multilingual), "--audio", str(clips), "--out", str(out),
+                 "--steps", "2", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
+                 "--device", "cpu"]) == 0
+    assert "2 steps in all" in capsys.readouterr().out
+    assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
