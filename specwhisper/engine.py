@@ -106,15 +106,17 @@ class Engine:
                num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
                seed: int | None = None, initial_prompt: str | None = None,
                condition_on_previous_text: bool = True, timestamps: bool | None = None,
-               progress=None) -> RequestFuture:
+               progress=None, on_segment=None) -> RequestFuture:
         """Queue one input for decoding -> a Future of its Transcription (arguments as in
         `transcribe`). Requests submitted concurrently are decoded together; `future.cancel()`
-        frees a request's slot. `progress(seek, frames)` follows a long-form request's windows."""
+        frees a request's slot. `progress(seek, frames)` follows a long-form request's windows;
+        `on_segment(segment)` receives each segment as soon as its window is kept (long-form; both
+        are called from the engine's loop thread and must be quick)."""
         single, futures = self._submit(x, language=language, task=task, temperature=temperature, top_p=top_p,
                                        num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
                                        seed=seed, initial_prompt=initial_prompt,
                                        condition_on_previous_text=condition_on_previous_text,
-                                       timestamps=timestamps, progress=progress)
+                                       timestamps=timestamps, progress=progress, on_segment=on_segment)
         if not single:
             raise ValueError("submit takes one input; submit each row of a batch separately")
         return futures[0]
@@ -144,7 +146,7 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def _submit(self, x, language=None, task="transcribe", temperature=None, top_p=1.0, num_draft_tokens=None,
                 max_new_tokens=None, seed=None, initial_prompt=None, condition_on_previous_text=True,
-                timestamps=None, progress=None) -> tuple[bool, list[RequestFuture]]:
+                timestamps=None, progress=None, on_segment=None) -> tuple[bool, list[RequestFuture]]:
         single, mel = self._as_mel(x, whole=bool(timestamps))
         long = single and (mel.shape[-1] > N_FRAMES or bool(timestamps))
         if long or initial_prompt is not None or isinstance(temperature, (tuple, list)):
@@ -164,7 +166,9 @@ class Engine:
                                         condition_on_previous_text=condition_on_previous_text)
             if num_draft_tokens is not None:
                 DecodeOptions(num_draft_tokens=num_draft_tokens)  # validates k
-            return True, [self._enqueue(self._longform_job(mel, options, seed, num_draft_tokens, progress))]
+            job = self._longform_job(mel, options, seed, num_draft_tokens, progress)
+            job.on_segment = on_segment
+            return True, [self._enqueue(job)]
         opts = DecodeOptions(language, task, 0.0 if temperature is None else temperature, top_p,
                              num_draft_tokens, max_new_tokens, seed)
         batch = self._check_mel(mel)

@@ -59,6 +59,8 @@ class LongformRequest:
 
         self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
         self.k, self.progress = num_draft_tokens, progress
+        self.on_segment = None  # called with each kept segment, in order
+        self.segments_sent = 0
         self.job = None
         self.request = None  # the WindowRequest being decoded
         self.kept = (None, None)  # (seek, encoder output) of the last window
@@ -108,8 +110,14 @@ class LongformRequest:
         tokens = output.tokens
         self.job.record(WindowResult(tokens, output.sum_logprob, output.sum_logprob / (len(tokens) + 1),
                                      output.no_speech_prob, self.request.temperature, self.request.language))
-        if self.progress is not None and not self.job.retrying:
+        if self.job.retrying:
+            return
+        if self.progress is not None:
             self.progress(min(self.job.seek, self.job.content_frames), self.job.content_frames)
+        if self.on_segment is not None:
+            for segment in self.job.all_segments[self.segments_sent:]:
+                self.on_segment(segment)
+            self.segments_sent = len(self.job.all_segments)
 
     def result(self) -> Transcription:
         return self.job.result()

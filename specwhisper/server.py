@@ -109,6 +109,7 @@ class TranscriptionService:
         self.admission = Admission(options.max_queue)
         self.metrics = ServerMetrics(lambda: self.admission.count, self.admission.waiting, self.admission.running)
         self.accepts_prompt = "initial_prompt" in inspect.signature(engine.transcribe).parameters
+        self.streams_segments = "on_segment" in inspect.signature(engine.submit).parameters
         self.created = int(time.time())
 
     # ------------------------------------------------------------ validation
@@ -214,6 +215,13 @@ class TranscriptionService:
         except BaseException:
             self.admission.release()
             raise
+        if fields.stream and self.streams_segments:
+            # segments go out as their windows finish (long-form), the rest with the result
+            loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+            options["on_segment"] = lambda segment: loop.call_soon_threadsafe(queue.put_nowait, segment)
+            future = await self.submit(audio, options)
+            return StreamingResponse(_sse_live(queue, future, task), media_type="text/event-stream",
+                                     headers={"openai-model": self.options.model_name, "Cache-Control": "no-cache"})
         [result] = await self.wait(request, [await self.submit(audio, options)])
         return self.respond(result, fields, task)
 
@@ -229,6 +237,45 @@ class TranscriptionService:
         if fmt == "verbose_json":
             return JSONResponse(to_verbose_json(result, task), headers=headers)
         return PlainTextResponse(render(result, "txt" if fmt == "text" else fmt, task), headers=headers)
+
+
+def _sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _sse_live(queue: asyncio.Queue, future: Future, task: str):
+    """`transcript.text.delta` per segment as the engine keeps it, then the segments the result
+    adds (a short window's one segment) and `transcript.text.done`; an `error` event if the
+    decode fails. A client that goes away cancels the request."""
+    waiter = asyncio.wrap_future(future)
+    sent = 0
+    try:
+        while True:
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                break
+            segment = getter.result()
+            sent += 1
+            yield _sse_event({"type": "transcript.text.delta", "delta": segment.text, "segment": segment.to_dict()})
+        while not queue.empty():
+            segment = queue.get_nowait()
+            sent += 1
+            yield _sse_event({"type": "transcript.text.delta", "delta": segment.text, "segment": segment.to_dict()})
+        exc = None if waiter.cancelled() else waiter.exception()
+        if waiter.cancelled() or exc is not None:
+            message = "the transcription was cancelled" if exc is None or isinstance(exc, CancelledError) else str(exc)
+            yield _sse_event({"type": "error", "error": {"message": message, "type": "server_error",
+                                                         "param": None, "code": "decode_failed"}})
+            return
+        result = waiter.result()
+        events = list(_sse_events(result, task))
+        for event in events[sent:]:
+            yield event
+    finally:
+        if not future.done():
+            future.cancel()
 
 
 def _sse_events(result, task: str):

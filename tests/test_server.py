@@ -434,3 +434,28 @@ def test_real_base_with_tiny_en_draft_matches_the_engine():
         assert got.text == want.text and got.language == "english" and len(want.text) > 10
         metrics = httpx.get(base + "/metrics", timeout=TIMEOUT).text
         assert metric(metrics, "specwhisper_draft_tokens_total") > 0
+
+
+def test_long_audio_streams_its_segments_and_matches_the_engine(multilingual):
+    """A 40 s upload: long-form through the server, every response format equal to the engine's
+    long-form result, and stream=true sends its segments as delta events (as windows finish)."""
+    engine = Engine(multilingual)
+    clips = [load_audio(p) for p in SAMPLES]
+    audio = np.concatenate([np.concatenate([c, np.zeros(8000, np.float32)]) for c in clips * 3])[:16000 * 40]
+    body = wav_bytes(audio)
+    want = engine.transcribe(decode_audio_bytes(body), language="en", temperature=0.0)
+    assert want.duration > 30 and want.segments
+    with serve_in_thread(create_app(engine, max_upload_mb=5)) as base:
+        files = {"file": ("long.wav", body, "audio/wav")}
+        data = {"model": "whisper-1", "language": "en", "temperature": "0"}
+        r = httpx.post(base + "/v1/audio/transcriptions", files=files,
+                       data={**data, "response_format": "verbose_json"}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["text"] == want.text and [s["text"] for s in got["segments"]] == [s.text for s in want.segments]
+        assert got["duration"] == pytest.approx(want.duration)
+        events = list(openai_client(base).audio.transcriptions.create(
+            file=("long.wav", body), model="whisper-1", language="en", temperature=0.0, stream=True))
+        assert [e.type for e in events] == ["transcript.text.delta"] * len(want.segments) + ["transcript.text.done"]
+        assert [e.delta for e in events[:-1]] == [s.text for s in want.segments]
+        assert events[-1].text == want.text
