@@ -229,3 +229,18 @@ def test_parity_without_conditioning_with_initial_prompt(base_pair, recording):
                              condition_on_previous_text=False, initial_prompt=prompt)
     out = ours(model, recording, temperature=0.0, condition_on_previous_text=False, initial_prompt=prompt)
     assert_same(out, ref)
+
+
+@pytest.mark.slow
+def test_fallback_really_triggers_and_reproduces(english):
+    """A random model's windows have avg_logprob far below -1: every window falls back to the last
+    temperature, records it, and a seed reproduces the sampled transcript (another seed does not)."""
+    from specwhisper import Engine
+
+    engine = Engine(english)
+    audio = (np.random.default_rng(0).standard_normal(16000 * 4) * 0.1).astype(np.float32)
+    options = TranscribeOptions(language="en", temperature=(0.0, 1.0))
+    runs = [engine.transcribe_long(audio, options, seed=s) for s in (1, 1, 2)]
+    assert runs[0].segments and all(s.temperature == 1.0 and s.avg_logprob < -1.0 for s in runs[0].segments)
+    assert [s.to_dict() for s in runs[0].segments] == [s.to_dict() for s in runs[1].segments]
+    assert runs[0].tokens != runs[2].tokens
