@@ -20,6 +20,7 @@ def engine(multilingual):
     (torch.zeros(0), ValueError, "empty"),
     (torch.zeros(1, 1, 80, 3000), ValueError, "shape"),
     (torch.zeros(64, 3000), ValueError, "n_mels=80"),
+    (torch.zeros(1, 80, 3001), ValueError, "3001 frames"),  # a batch of windows; one long mel is long-form
     (torch.zeros(80, 3000, dtype=torch.long), TypeError, "dtype"),
     ([[0.0] * 3000] * 80, TypeError, "torch.Tensor"),
     (torch.full((80, 3000), float("nan")), ValueError, "NaN"),

@@ -38,6 +38,21 @@ def job_for(tok, seconds: float, **options) -> LongformJob:
     return LongformJob(mel, tok, TranscribeOptions(language="en", **options), seed=0)
 
 
+def test_whole_recording_mel_matches_openai():
+    """log_mel_spectrogram(whole=True) is openai's transcribe() mel (30 s of zeros appended, one
+    normalization) without the padding frames."""
+    import whisper
+
+    from specwhisper.audio import N_SAMPLES, log_mel_spectrogram
+
+    audio = (np.random.default_rng(1).standard_normal(16000 * 33 + 77) * 0.1).astype(np.float32)
+    audio[16000 * 20:] *= 0.01  # a quiet part: the floor (max - 8) matters
+    ours = log_mel_spectrogram(audio, 80, whole=True)
+    ref = whisper.log_mel_spectrogram(audio, 80, padding=N_SAMPLES)
+    assert ours.shape == (80, len(audio) // 160) == (80, ref.shape[1] - 3000)
+    torch.testing.assert_close(ours, ref[:, :ours.shape[1]], atol=1e-5, rtol=0)
+
+
 def test_split_at_timestamps():
     tb = 1000
     assert split_at_timestamps([tb, 5, 6, tb + 100, tb + 100, 7, tb + 200, tb + 210, 8], tb) == ([(0, 4), (4, 7)], False)
@@ -230,3 +245,18 @@ def test_parity_without_conditioning_with_initial_prompt(base_pair, recording):
                              condition_on_previous_text=False, initial_prompt=prompt)
     out = ours(model, recording, temperature=0.0, condition_on_previous_text=False, initial_prompt=prompt)
     assert_same(out, ref)
+
+
+@pytest.mark.slow
+def test_fallback_really_triggers_and_reproduces(english):
+    """A random model's windows have avg_logprob far below -1: every window falls back to the last
+    temperature, records it, and a seed reproduces the sampled transcript (another seed does not)."""
+    from specwhisper import Engine
+
+    engine = Engine(english)
+    audio = (np.random.default_rng(0).standard_normal(16000 * 4) * 0.1).astype(np.float32)
+    options = TranscribeOptions(language="en", temperature=(0.0, 1.0))
+    runs = [engine.transcribe_long(audio, options, seed=s) for s in (1, 1, 2)]
+    assert runs[0].segments and all(s.temperature == 1.0 and s.avg_logprob < -1.0 for s in runs[0].segments)
+    assert [s.to_dict() for s in runs[0].segments] == [s.to_dict() for s in runs[1].segments]
+    assert runs[0].tokens != runs[2].tokens
