@@ -62,8 +62,10 @@ def kv_write_reference(k_cache, v_cache, k, v, pos):
 
 # ---------------------------------------------------------------- dispatch
 def active(x: torch.Tensor) -> bool:
-    """Whether ops on tensors like `x` run the C++ extension."""
-    return x.device.type == "cpu" and not _use_reference and _ops() is not None
+    """Whether ops on tensors like `x` run the C++ extension (inference only: the ops have no
+    backward, so anything recording gradients, e.g. training a draft, takes the PyTorch path)."""
+    return (x.device.type == "cpu" and not _use_reference and not torch.is_grad_enabled()
+            and _ops() is not None)
 
 
 @contextlib.contextmanager

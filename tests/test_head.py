@@ -8,6 +8,14 @@ from specwhisper import cpu_ops
 from specwhisper.head import ScreenedHead
 
 
+@pytest.fixture(autouse=True)
+def inference():
+    """The C++ decode ops serve inference only (with gradients on, the PyTorch path runs)."""
+    with torch.inference_mode():
+        yield
+
+
+
 @pytest.fixture(params=["ops", "reference"], autouse=True)
 def path(request):
     """Every test runs through the C++ op (when built) and through the PyTorch reference."""

@@ -12,6 +12,14 @@ from specwhisper.decoding import LoadedModel
 from specwhisper.head import ScreenedHead
 from specwhisper.model import DecoderCache
 
+
+@pytest.fixture(autouse=True)
+def inference():
+    """The C++ decode ops serve inference only (with gradients on, the PyTorch path runs)."""
+    with torch.inference_mode():
+        yield
+
+
 needs_ops = pytest.mark.skipif(cpu_ops._ops() is None, reason="C++ decode ops unavailable")
 pytestmark = needs_ops
 
