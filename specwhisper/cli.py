@@ -54,7 +54,11 @@ def cmd_transcribe(args) -> int:
             def progress(seek: int, frames: int) -> None:
                 bar.update(round(seek / 100, 2) - bar.n)
 
-            out = engine.transcribe_long(audio, options, seed=args.seed, progress=progress)
+            out = engine.submit(audio, language=options.language, task=options.task,
+                                temperature=options.temperature, top_p=options.top_p, num_draft_tokens=args.k,
+                                seed=args.seed, initial_prompt=options.initial_prompt,
+                                condition_on_previous_text=options.condition_on_previous_text,
+                                timestamps=True, progress=progress).result()
         rows.append({"file": str(path), "text": out.text, "language": out.language, "duration": out.duration,
                      "tokens": out.tokens, "segments": [s.to_dict() for s in out.segments],
                      "stats": out.stats.__dict__})
@@ -242,6 +246,7 @@ def main(argv=None) -> int:
     t.add_argument("--temperature", type=parse_temperatures, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
                    help="one value, or a comma list tried in turn when a window fails (default 0,0.2,...,1)")
     t.add_argument("--top-p", type=float, default=1.0)
+    t.add_argument("--k", type=int, default=None, help="draft tokens per verify pass (default: adaptive)")
     t.add_argument("--seed", type=int, default=None, help="seed of the fallback samples (reproducible output)")
     t.add_argument("--initial-prompt", default=None, help="text prompting the first window")
     t.add_argument("--no-condition-on-previous-text", action="store_true",

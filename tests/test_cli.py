@@ -14,15 +14,24 @@ from specwhisper.samples import sample_paths
 
 @pytest.fixture
 def stub_engine(monkeypatch):
-    """Engine whose transcribe_long returns two fixed segments and records its arguments."""
+    """Engine whose submit returns two fixed segments and records its arguments."""
     calls = []
 
     class StubEngine:
         def __init__(self, target, draft=None, device=None, dtype=None):
             self.n_mels = 80
 
-        def transcribe_long(self, audio, options, seed=None, progress=None):
-            calls.append((options, seed))
+        def submit(self, audio, seed=None, progress=None, timestamps=None, num_draft_tokens=None, **options):
+            from concurrent.futures import Future
+            from types import SimpleNamespace
+
+            assert timestamps is True
+            calls.append((SimpleNamespace(**options), seed))
+            future = Future()
+            future.set_result(self.transcribe_long(progress))
+            return future
+
+        def transcribe_long(self, progress):
             progress(150, 300)
             progress(300, 300)
             segs = [Segment(0, 0, 0.0, 1.5, " Hello there.", [1, 2]), Segment(1, 0, 1.5, 3.0, " Bye.", [3])]
@@ -80,3 +89,26 @@ def test_transcribe_real(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["language"] == "english" and out["segments"] and out["text"].strip()
     assert out["segments"][-1]["end"] <= out["duration"] + 0.02
+
+
+@pytest.mark.real
+def test_transcribe_real_speculative_long(tmp_path, capsys):
+    """A 35 s recording through the CLI with base drafted by tiny.en: long-form, speculative,
+    the same segments as target-only through the API."""
+    import numpy as np
+
+    from conftest import real_folder
+    from specwhisper import Engine, load_audio
+
+    import soundfile
+
+    clips = [load_audio(p) for p in sample_paths() if "flite" in p.name]
+    audio = np.concatenate([np.concatenate([c, np.zeros(8000, np.float32)]) for c in clips * 2])[:16000 * 35]
+    path = tmp_path / "long.wav"
+    soundfile.write(path, audio, 16000)
+    assert main(["transcribe", str(path), "--target", str(real_folder("base")), "--draft",
+                 str(real_folder("tiny.en")), "--language", "en", "--json", "--quiet", "--k", "3", "--seed", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = Engine(real_folder("base")).transcribe(load_audio(path), language="en", seed=0)
+    assert [s["text"] for s in out["segments"]] == [s.text for s in want.segments]
+    assert out["duration"] > 30 and out["stats"]["drafted"] > 0
