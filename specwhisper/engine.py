@@ -153,8 +153,9 @@ class Engine:
             if not single:
                 raise ValueError("long-form options (timestamps, initial_prompt, a temperature list) apply "
                                  "to one recording at a time; pass a list of recordings instead of a batch mel")
-            if max_new_tokens is not None:
-                raise ValueError("max_new_tokens applies to one 30 s window; long-form input decodes every window")
+            if max_new_tokens is not None and not 1 <= max_new_tokens <= 224:
+                raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most 224), "
+                                 f"got {max_new_tokens}")
             if timestamps is False:
                 raise ValueError("audio longer than 30 s is decoded with timestamps (openai-whisper's "
                                  "long-form algorithm); timestamps=False is only for single windows")
@@ -167,7 +168,7 @@ class Engine:
             if num_draft_tokens is not None:
                 DecodeOptions(num_draft_tokens=num_draft_tokens)  # validates k
             job = self._longform_job(mel, options, seed, num_draft_tokens, progress)
-            job.on_segment = on_segment
+            job.on_segment, job.sample_len = on_segment, max_new_tokens
             return True, [self._enqueue(job)]
         opts = DecodeOptions(language, task, 0.0 if temperature is None else temperature, top_p,
                              num_draft_tokens, max_new_tokens, seed)

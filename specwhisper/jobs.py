@@ -60,6 +60,7 @@ class LongformRequest:
         self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
         self.k, self.progress = num_draft_tokens, progress
         self.on_segment = None  # called with each kept segment, in order
+        self.sample_len = None  # tokens per window at most (None: openai's 224)
         self.segments_sent = 0
         self.job = None
         self.request = None  # the WindowRequest being decoded
@@ -96,7 +97,7 @@ class LongformRequest:
     def _spec(self, language) -> SeqSpec:
         r = self.request
         prompt = list(r.prompt)
-        max_new = min(r.max_new_tokens, 449 - len(prompt))  # openai stops past 448 tokens
+        max_new = min(r.max_new_tokens, self.sample_len or r.max_new_tokens, 449 - len(prompt))  # openai stops past 448
         return SeqSpec(prompt, r.language or "en", r.task, max_new, r.temperature, r.top_p, r.seed,
                        timestamps=r.timestamps, max_initial_timestamp=r.max_initial_timestamp,
                        num_draft_tokens=self.k, sot_index=prompt.index(self.tok.sot), need_logprobs=True)

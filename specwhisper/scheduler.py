@@ -89,12 +89,14 @@ class Scheduler:
         if not joining:
             return []
         fresh = [r for r in joining if r.window.features is None]
-        if fresh:
-            feats = self.runner.encode(torch.stack([r.window.mel for r in fresh]))
-            for r, f in zip(fresh, feats):
-                r.window.features = f
-                if hasattr(r.job, "keep_features"):  # fallback retries reuse the encoder output
-                    r.job.keep_features(f)
+        for r in fresh:
+            # one window at a time: a batched encoder GEMM may round a row differently with other
+            # rows beside it, and a request's tokens must not depend on its neighbours (on this
+            # CPU, batching the encoder gains nothing: it is compute-bound)
+            f = self.runner.encode(r.window.mel[None])[0]
+            r.window.features = f
+            if hasattr(r.job, "keep_features"):  # fallback retries reuse the encoder output
+                r.job.keep_features(f)
         detect = [r for r in joining if r.window.language is None and self.runner.target.tokenizer.multilingual]
         if detect:
             codes = self.runner.detect_language(torch.stack([r.window.features for r in detect]))

@@ -150,7 +150,9 @@ def test_engine_routes_long_input(multilingual):
     assert out.duration == pytest.approx(31.0, abs=0.02)
     assert out.segments and all(0.0 <= s.start <= s.end for s in out.segments)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.transcribe(audio, language="en", max_new_tokens=5)
+        engine.transcribe(audio, language="en", max_new_tokens=300)
+    capped = engine.transcribe(audio, language="en", temperature=0.0, seed=4, max_new_tokens=5)
+    assert all(len(s.tokens) <= 5 for s in capped.segments)
     with pytest.raises(ValueError, match="timestamps=False"):
         engine.transcribe(audio, language="en", timestamps=False)
 

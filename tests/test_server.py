@@ -265,7 +265,6 @@ BAD_REQUESTS = {
     "bad format": (dict(data={"response_format": "xml"}), 422, "response_format", None),
     "word timestamps": (dict(data={"timestamp_granularities[]": ["segment", "word"]}), 400,
                         "timestamp_granularities[]", "unsupported_value"),
-    "prompt": (dict(data={"prompt": "Hello."}), 400, "prompt", "unsupported_parameter"),
     "too large (content-length)": (dict(files={"file": ("a.wav", b"\0" * (2 << 20), "audio/wav")}),
                                    413, "file", "file_too_large"),
 }
@@ -277,6 +276,15 @@ def test_bad_request_gets_its_status_then_server_still_correct(url, expected, ca
     assert_openai_error(post(url, **kwargs), status, param, code)
     r = post(url, data={"language": "en"})
     assert r.status_code == 200 and r.json()["text"] == expected().text
+
+
+def test_prompt_is_the_initial_prompt(url, engine):
+    """OpenAI's `prompt` field prompts the first window (openai-whisper's initial_prompt)."""
+    r = post(url, data={"language": "en", "prompt": "Hello.", "response_format": "verbose_json"})
+    assert r.status_code == 200, r.text
+    want = engine.transcribe(load_audio(SAMPLES[0]), language="en", initial_prompt="Hello.", max_new_tokens=MAX_NEW,
+                             temperature=0.0)
+    assert r.json()["text"] == want.text and [s["text"] for s in r.json()["segments"]] == [s.text for s in want.segments]
 
 
 def test_chunked_upload_over_the_limit_is_413(url, expected):
