@@ -7,18 +7,7 @@ import torch
 
 from conftest import real_folder
 from specwhisper import Engine
-from test_longform import assert_same
-
-
-@pytest.fixture(scope="module")
-def recording(tmp_path_factory):
-    from whisper_ref import flite_recording
-
-    try:
-        audio, _ = flite_recording(tmp_path_factory.mktemp("longform-engine"), 62.0, seed=3)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    return audio
+from test_longform import assert_same, recording  # noqa: F401 (the 62 s flite recording fixture)
 
 
 @pytest.fixture(scope="module")
