@@ -125,6 +125,7 @@ def test_rules_are_rowwise(setup):
         assert torch.equal(whole[j], run([j])[0])
 
 
+@pytest.mark.real
 def test_tables_from_real_tokenizers():
     """RuleTables.build on our tokenizer.json equals openai's sets (base, tiny.en)."""
     from conftest import real_folder
