@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -126,16 +125,10 @@ def _ops():
     return torch.ops.specwhisper_decode
 
 
-def build_dir() -> Path:
-    if os.environ.get("SPECWHISPER_BUILD_DIR"):
-        return Path(os.environ["SPECWHISPER_BUILD_DIR"]).expanduser()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    tag = f"torch{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return cache / "specwhisper" / "build" / tag
-
-
 def _build() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
+
+    from .ops import build_dir  # one build folder for every just-in-time extension
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ class Drafter:
     def prompt(self, spec) -> list[int]:
         """The draft's own prompt for a target sequence `spec`: previous text spelled in draft ids,
         then the draft's start-of-transcript sequence for the same language and task."""
-        tok, target_tok = self.draft.tokenizer, self.target.tokenizer
+        tok = self.draft.tokenizer
         sot_index = spec.sot_index
         prev = []
         if sot_index > 0:  # <|startofprev|> + previous text
@@ -96,7 +96,6 @@ class Drafter:
         if tok.multilingual and language is None:
             language = "en"  # an English-only target: its speech is English
         sot_seq = tok.prompt(language, spec.task)[:-1]  # without <|notimestamps|>
-        del target_tok
         return prev + sot_seq + ([] if spec.timestamps else [tok.no_timestamps])
 
     def greedy(self, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:

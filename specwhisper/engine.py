@@ -191,8 +191,6 @@ class Engine:
         return single, futures
 
     def _longform_job(self, mel, options, seed, num_draft_tokens, progress) -> LongformRequest:
-        from .audio import log_mel_spectrogram  # noqa: F401 (the whole-recording mel comes from _as_mel)
-
         if mel.ndim != 2 or mel.shape[0] != self.n_mels or mel.shape[1] == 0:
             raise ValueError(f"long-form input must be audio or a log-mel [{self.n_mels}, frames], "
                              f"got shape {tuple(mel.shape)}")

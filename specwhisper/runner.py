@@ -288,12 +288,8 @@ class Runner:
         slots = torch.arange(B, device=self.device)
         if not self.draft_synced:
             self.catch_up(B)
-        dn, dc = self.dn[:B], self.dcached[:B]
-        width = self.catchup
-        start = torch.minimum(dc, dn - 1)
-        m = dn - start  # uncached tokens (at least 1: the last token is re-fed when none is)
-        j = torch.arange(width, device=self.device)
-        src = start[:, None] + (j[None] - (width - m[:, None])).clamp(min=0)  # [B, width]
+        dn = self.dn[:B]
+        src = self.uncached_positions(B, self.catchup)  # [B, width]
         feed = self.dtokens[:B].gather(1, src)
         kv_len = min(int(self._host_dn_max) + k + 1, self.max_pos + 1) if self.trim else None
         hidden = ddec.hidden(feed, src, self.dcache_view(B), kv_len=kv_len)[:, -1:]
@@ -315,6 +311,16 @@ class Runner:
         usable &= j_range(k, self.device)[None] < limit[:, None]
         usable = usable.long().cumprod(dim=1).bool()
         return torch.where(usable, mapped, -1)
+
+    def uncached_positions(self, B: int, width: int) -> torch.Tensor:
+        """Draft positions [B, width] to feed: each row's uncached tokens, right-aligned; shorter
+        rows repeat their first uncached position on the left (rewriting one slot with the same
+        values), and a row with nothing uncached re-feeds its last token, whose output predicts
+        the next one."""
+        dn, dc = self.dn[:B], self.dcached[:B]
+        start = torch.minimum(dc, dn - 1)
+        j = torch.arange(width, device=self.device)
+        return start[:, None] + (j[None] - (width - (dn - start)[:, None])).clamp(min=0)
 
     def dcache_view(self, B: int) -> DecoderCache:
         return DecoderCache(*(t[:, :B] for t in self.dcache.buffers()))
@@ -344,10 +350,7 @@ class Runner:
         ddec = self.drafter.draft.model.decoder
         dn, dc = self.dn[:B], self.dcached[:B]
         width = int((dn - torch.minimum(dc, dn - 1)).max())
-        start = torch.minimum(dc, dn - 1)
-        m = dn - start
-        j = torch.arange(width, device=self.device)
-        src = start[:, None] + (j[None] - (width - m[:, None])).clamp(min=0)
+        src = self.uncached_positions(B, width)
         ddec.hidden(self.dtokens[:B].gather(1, src), src, self.dcache_view(B))
         self.dcached[:B] = torch.maximum(dn - 1, dc)
         self.draft_passes[:B] += 1
