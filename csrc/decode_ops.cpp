@@ -458,9 +458,20 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
     }
 }
 
+// How many threads at::parallel_for really uses in this extension (a build without OpenMP
+// silently runs every op on one thread; tests check this equals torch.get_num_threads()).
+int64_t parallel_threads() {
+  std::vector<int64_t> seen(std::max<int64_t>(1, at::get_num_threads()), 0);
+  at::parallel_for(0, 1 << 12, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t n = 0;
+  for (int64_t s : seen) n += s;
+  return n;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specwhisper_decode, m) {
+  m.def("parallel_threads() -> int");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor low, Tensor weight, Tensor row_norm, float slack, float tiny, Tensor? banned) -> Tensor");
@@ -475,5 +486,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
 }
+
+TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads); }
 
 }  // namespace specwhisper_decode

@@ -48,6 +48,23 @@ def test_linear_matches_reference(wdtype, K):
             assert torch.equal(cpu_ops.linear(x[m:m + 1], weight, bias), out[m:m + 1])
 
 
+def test_ops_run_on_every_thread_with_thread_independent_bits():
+    """The extension is built with OpenMP (else at::parallel_for silently runs one thread), and a
+    result never depends on how many threads computed it."""
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(4099, 512, generator=gen), torch.randn(5, 512, generator=gen)
+    try:
+        torch.set_num_threads(2)
+        assert cpu_ops._ops().parallel_threads() == 2
+        two = cpu_ops.linear(x, weight)
+        torch.set_num_threads(1)
+        assert cpu_ops._ops().parallel_threads() == 1
+        assert torch.equal(cpu_ops.linear(x, weight), two)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gather_dot_equals_linear_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 77, generator=gen)
