@@ -88,8 +88,9 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const W* w, i
 }
 
 // out[m, n] (float) for rows m0..m0+MR of x and weight rows n0..n0+NR: one pass over the
-// weight tile per group of input rows.
-template <typename W, int MR, int NR>
+// weight tile per group of input rows. PF: also prefetch the tile PF weight rows ahead (the
+// next one), one cache line per 16 floats, so memory streams while several rows compute.
+template <typename W, int MR, int NR, int PF = 0>
 __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, const W* w, int64_t K,
                                                    float* out, int64_t ldo) {
   __m256 acc[MR][NR];
@@ -99,6 +100,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, 
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
+    if (PF && (k * sizeof(W)) % 64 == 0)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (PF + j) * K + k), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) {
       __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
@@ -112,9 +115,15 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, 
     }
 }
 
+// All rows of x against one weight tile; the first group of rows prefetches the next tile (with
+// several rows the arithmetic would otherwise stall the memory stream), except on the last tile.
 template <typename W, int NR>
-void rows_tile(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t ldo) {
+void rows_tile(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t ldo, bool more) {
   int64_t m = 0;
+  if (M > 1 && more) {
+    if (M >= 3) tile_avx2<W, 3, NR, NR>(x, K, w, K, out, ldo), m = 3;
+    else tile_avx2<W, 2, NR, NR>(x, K, w, K, out, ldo), m = 2;
+  }
   for (; m + 3 <= M; m += 3) tile_avx2<W, 3, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
   if (M - m == 2) tile_avx2<W, 2, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
   if (M - m == 1) tile_avx2<W, 1, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
@@ -133,9 +142,9 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
     const W* wt = w + n * K;
     if (vec && nr == kNR && widen_tile) {
       for (int64_t i = 0; i < kNR * K; ++i) wide[i] = widen(wt[i]);
-      rows_tile<float, kNR>(x, M, K, wide.data(), acc + n, ldo);
+      rows_tile<float, kNR>(x, M, K, wide.data(), acc + n, ldo, false);
     } else if (vec && nr == kNR) {
-      rows_tile<W, kNR>(x, M, K, wt, acc + n, ldo);
+      rows_tile<W, kNR>(x, M, K, wt, acc + n, ldo, n + 2 * kNR <= n1);
     } else {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < nr; ++j)
@@ -218,56 +227,159 @@ at::Tensor gather_dot(const at::Tensor& x, const at::Tensor& weight, const at::T
   return out;
 }
 
-// Exact greedy argmax through a bfloat16 screen (spec: specwhisper/head.py ScreenedHead):
-// approximate logits from the bfloat16 weights, bound b_v = fl(fl(slack * |h|) * |w_v|) + tiny,
-// candidates v with fl(l~_v + b_v) >= max_w fl(l~_w - b_w), exact float32 logits of the
-// candidates (the same per-element arithmetic as linear_rows), argmax with ties to the lowest
-// id. banned: bool [V] or [N, V]. Any number of candidates: no fallback needed.
-at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& low, const at::Tensor& weight,
-                           const at::Tensor& row_norm, double slack, double tiny, const c10::optional<at::Tensor>& banned) {
-  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.is_contiguous() && weight.scalar_type() == at::kFloat &&
-              weight.is_contiguous() && low.sizes() == weight.sizes(), "screened_argmax: low bf16 / weight f32 [V, d]");
-  const int64_t V = weight.size(0), K = weight.size(1);
+// Exact greedy argmax through an int8 screen (spec: specwhisper/head.py ScreenedHead).
+// packed: int8 weights q in blocks of 8 vocabulary rows, [ceil(V/8), K/8, 8, 8] (row j of a block
+// and features 8c..8c+7 at [block, c, j, :]), so one block streams as one sequential run.
+// Approximate logit a_v = fl(scale_v * dot(q_v, h)), the dot computed with linear_rows' order of
+// operations; bound b_v = fl(|h| * bound_v) + tiny with bound_v >= (|w_v - scale_v q_v| + float
+// error terms) per unit |h| (see head.py). Candidates: v with fl(a_v + b_v) >= max_w fl(a_w - b_w);
+// their exact float32 logits (linear_rows' arithmetic) decide, ties to the lowest id.
+// banned: bool [V] or [N, V]. Any number of candidates.
+constexpr int64_t kQB = 8;  // vocabulary rows per int8 block
+
+// out[m, j] for rows m of x (MR of them, row stride K) and rows j0..j0+NJ-1 of one int8 block. MR * NJ accumulators stay in
+// registers (16 ymm in AVX2). PF: prefetch the next int8 block.
+__attribute__((target("avx2,fma"))) inline __m256 load_block8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MR, int NJ, typename Q, bool PF = false>
+__attribute__((target("avx2,fma"))) void q8_block(const float* x, int64_t K, const Q* blk, int j0, float* out,
+                                                  int64_t ldo, const int8_t* next = nullptr) {
+  __m256 acc[MR][NJ];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const Q* p = blk + k * kQB + 8 * j0;
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);
+    __m256 xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
+    for (int j = 0; j < NJ; ++j) {
+      const __m256 wv = load_block8(p + 8 * j);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NJ; ++j) out[i * ldo + j0 + j] = hsum8(acc[i][j]);
+}
+
+// Every row of x against one int8 block, in groups of up to 3 rows; the first group prefetches
+// the next block.
+__attribute__((target("avx2,fma"))) void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* blk,
+                                                 const int8_t* next, float* out, int64_t ldo) {
+  int64_t m = 0;
+  if (M == 1) {
+    q8_block<1, 8, int8_t, true>(x, K, blk, 0, out, ldo, next);
+    return;
+  }
+  if (M >= 3) {
+    q8_block<3, 4, int8_t, true>(x, K, blk, 0, out, ldo, next), q8_block<3, 4, int8_t>(x, K, blk, 4, out, ldo);
+    m = 3;
+  }
+  for (; m + 3 <= M; m += 3)
+    for (int j0 = 0; j0 < kQB; j0 += 4) q8_block<3, 4, int8_t>(x + m * K, K, blk, j0, out + m * ldo, ldo);
+  if (M - m == 2) {
+    if (m == 0) q8_block<2, 4, int8_t, true>(x, K, blk, 0, out, ldo, next);
+    else q8_block<2, 4, int8_t>(x + m * K, K, blk, 0, out + m * ldo, ldo);
+    q8_block<2, 4, int8_t>(x + m * K, K, blk, 4, out + m * ldo, ldo);
+  }
+  if (M - m == 1) q8_block<1, 8, int8_t>(x + m * K, K, blk, 0, out + m * ldo, ldo);
+}
+
+float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t k = 0; k < K; k += 8)
+    for (int l = 0; l < 8; ++l) lane[l] = std::fma(static_cast<float>(blk[k * kQB + 8 * j + l]), x[k + l], lane[l]);
+  float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& bound, const at::Tensor& weight, double tiny,
+                           const c10::optional<at::Tensor>& banned) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
+              "screened_argmax: weight must be a contiguous float32 [V, K] matrix");
+  const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
+  TORCH_CHECK(K % 8 == 0, "screened_argmax: K must be a multiple of 8");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == blocks * kQB * K,
+              "screened_argmax: packed must be int8 [ceil(V/8), K/8, 8, 8]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && bound.scalar_type() == at::kFloat && scale.numel() == V &&
+              bound.numel() == V && scale.is_contiguous() && bound.is_contiguous(),
+              "screened_argmax: scale and bound must be contiguous float32 [V]");
   at::Tensor h = as_float_rows(hidden);
   TORCH_CHECK(h.size(1) == K, "screened_argmax: hidden has ", h.size(1), " features, expected ", K);
   const int64_t N = h.size(0);
-  at::Tensor norms = row_norm.to(at::kFloat).contiguous();
-  at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
-  at::Tensor approx = at::empty({N, V}, h.options());
-  matmul_rows(h.data_ptr<float>(), N, K, reinterpret_cast<const bf16*>(low.data_ptr()), V, approx.data_ptr<float>());
   const bool* bp = nullptr;
   int64_t banned_stride = 0;
   at::Tensor bc;
   if (banned.has_value()) {
     bc = banned->to(at::kBool).contiguous();
-    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)), "screened_argmax: banned must be [V] or [N, V]");
+    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)),
+                "screened_argmax: banned must be [V] or [N, V]");
     bp = bc.data_ptr<bool>();
     banned_stride = bc.dim() == 2 ? V : 0;
   }
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
-  const float* ap = approx.data_ptr<float>();
-  const float* np = norms.data_ptr<float>();
+  if (N == 0) return out;
+  at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
+  at::Tensor approx = at::empty({N, blocks * kQB}, h.options());
   const float* hp = h.data_ptr<float>();
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* cp = bound.data_ptr<float>();
+  const float* hn = hnorm.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
+  float* ap = approx.data_ptr<float>();
+  const int64_t ld = blocks * kQB;
   const bool vec = has_avx2();
-  const float tiny_f = static_cast<float>(tiny), slack_f = static_cast<float>(slack);
+  const float tiny_f = static_cast<float>(tiny);
+  // pass 1 (parallel over vocabulary blocks): approximate logits, and each chunk's best lower
+  // bound per row
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (kQB * K));
+  const int64_t chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
+  const int64_t per_chunk = std::max(grain, (blocks + chunks - 1) / chunks);
+  const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
+  std::vector<float> floors(n_chunks * N, -INFINITY);
+  at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b_end = std::min(blocks, (c + 1) * per_chunk);
+      for (int64_t b = c * per_chunk; b < b_end; ++b) {
+        const int8_t* blk = qp + b * kQB * K;
+        float* o = ap + b * kQB;
+        int64_t m = 0;
+        if (vec) {
+          q8_rows(hp, N, K, blk, b + 1 < blocks ? blk + kQB * K : blk, o, ld);
+        } else {
+          for (; m < N; ++m)
+            for (int j = 0; j < kQB; ++j) o[m * ld + j] = q8_dot_scalar(hp + m * K, K, blk, j);
+        }
+        for (int64_t r = 0; r < N; ++r) {
+          const bool* bn = bp ? bp + r * banned_stride : nullptr;
+          float& fl = floors[c * N + r];
+          for (int64_t v = b * kQB; v < std::min(V, (b + 1) * kQB); ++v) {
+            const float a = ap[r * ld + v] * sp[v];
+            ap[r * ld + v] = a;
+            if (bn && bn[v]) continue;
+            fl = std::max(fl, a - (hn[r] * cp[v] + tiny_f));
+          }
+        }
+      }
+    }
+  });
+  int64_t* op = out.data_ptr<int64_t>();
+  // pass 2 (parallel over rows): candidates and their exact logits
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* a = ap + r * V;
-      const bool* bn = bp ? bp + r * banned_stride : nullptr;
-      const float scale = hnorm.data_ptr<float>()[r] * slack_f;
       float floor = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) {
-        if (bn && bn[v]) continue;
-        floor = std::max(floor, a[v] - (scale * np[v] + tiny_f));
-      }
+      for (int64_t c = 0; c < n_chunks; ++c) floor = std::max(floor, floors[c * N + r]);
+      const float* a = ap + r * ld;
+      const bool* bn = bp ? bp + r * banned_stride : nullptr;
+      const float* x = hp + r * K;
       int64_t best_id = -1;
       float best = -INFINITY;
-      const float* x = hp + r * K;
       for (int64_t v = 0; v < V; ++v) {
         if (bn && bn[v]) continue;
-        if (a[v] + (scale * np[v] + tiny_f) >= floor) {
+        if (a[v] + (hn[r] * cp[v] + tiny_f) >= floor) {
           const float exact = vec ? dot_avx2(x, wp + v * K, K) : dot_scalar(x, wp + v * K, K);
           if (best_id < 0 || exact > best) best = exact, best_id = v;  // ascending ids: ties keep the lowest
         }
@@ -474,7 +586,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
-  m.def("screened_argmax(Tensor hidden, Tensor low, Tensor weight, Tensor row_norm, float slack, float tiny, Tensor? banned) -> Tensor");
+  m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
 }

@@ -5,7 +5,7 @@ ninja on first use) beside the PyTorch reference of each op, with the same signa
   weight float32 or bfloat16 (a bfloat16 weight with a float32 x screens the output head).
 - `gather_dot(x [M, K], weight [V, K], ids [M, C])`: x[m] · weight[ids[m, c]], bit-identical to
   `linear`'s value for that token (the exact recompute of a screened head's candidates).
-- `screened_argmax(...)`: the screened bfloat16 greedy head of `head.py` in one op.
+- `screened_argmax(...)`: the screened int8 greedy head of `head.py` in one op.
 - `attention(q [B, T, H, D], k_cache, v_cache [B, H, S, D], n_keys [B, T], scale)`: each query reads
   keys 0..n_keys-1 -> [B, T, H * D].
 - `kv_write(k_cache, v_cache, k, v, pos [B, T])`: cache[b, :, pos[b, t]] = new[b, t].
@@ -90,9 +90,9 @@ def gather_dot(x, weight, ids):
     return gather_dot_reference(x, weight, ids)
 
 
-def screened_argmax(hidden, low, weight, row_norm, slack, tiny, banned):
+def screened_argmax(hidden, packed, scale, bound, weight, tiny, banned):
     """The C++ form of `head.ScreenedHead.argmax_reference` (callers check `active` first)."""
-    return _ops().screened_argmax(hidden, low, weight, row_norm, slack, tiny, banned)
+    return _ops().screened_argmax(hidden, packed, scale, bound, weight, tiny, banned)
 
 
 def attention(q, k_cache, v_cache, n_keys, scale):

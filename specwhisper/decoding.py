@@ -24,7 +24,7 @@ class LoadedModel:
     path: Path
     suppress: torch.Tensor  # [V] bool: suppressed at every step
     begin_suppress: torch.Tensor  # [V] bool: suppressed at the first generated position
-    head: ScreenedHead | None  # exact greedy argmax read in bfloat16 (float32 models)
+    head: ScreenedHead | None  # exact greedy argmax read through an int8 copy (float32 models)
 
     @property
     def config(self) -> WhisperConfig:
@@ -48,7 +48,7 @@ class LoadedModel:
         suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
-        # float32 models on the CPU: greedy reads a bfloat16 copy of the head, exactly (see
+        # float32 models on the CPU: greedy reads an int8 copy of the head, exactly (see
         # head.py); other dtypes and devices read their own head directly
         screened = dtype == torch.float32 and torch.device(device).type == "cpu"
         head = ScreenedHead(model.decoder.embed_tokens.weight) if screened else None

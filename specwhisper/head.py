@@ -1,27 +1,36 @@
-"""Output heads for greedy decoding: the exact screened bfloat16 head, the pruned draft head.
+"""Output heads for greedy decoding: the exact screened int8 head, the pruned draft head.
 
 `ScreenedHead`: the head is the widest matrix of the decoder (vocab × d_model: 51865 × 512 for
-base) and greedy decoding needs only its argmax. A bfloat16 copy of the weights is read instead
-(half the bytes) in one product for all rows, with the hidden states kept in float32; then a
-rigorous bound on each approximate logit's distance to the exact one selects the *candidates*,
-whose exact logits are recomputed from the float32 rows. Their argmax is the answer.
+base) and greedy decoding needs only its argmax. An int8 copy of the weights is read instead (a
+quarter of the float32 bytes) in one product for all rows, with the hidden states kept in float32;
+then a rigorous bound on each approximate logit's distance to the exact one selects the
+*candidates*, whose exact logits are recomputed from the float32 rows. Their argmax is the answer.
 
-The bound. bfloat16 keeps 8 significant bits, so rounding w to w̃ has unit roundoff u = 2^-8:
-w̃_i = w_i (1 + δ_i) (+ an underflow term below 2^-134), |δ_i| ≤ u. A float32 sum of K products
-in any order errs by at most γ_K Σ|products|, γ_K = K·2^-24 / (1 − K·2^-24). With l the exact
-float32-computed logit (the same summation order as l̃, see `cpu_ops.gather_dot`):
+The int8 copy. Row v of the weights is stored as q_v = round(w_v / s_v) with s_v = max|w_v| / 127
+(float32), and the approximate logit is ã_v = s_v · (q_v · h), a float32 sum in any order.
 
-    |l̃_v − l_v| ≤ (u + γ_K(1 + u) + γ_K) Σ_i |w_vi h_i| + TINY ≤ SLACK_K · ‖w_v‖·‖h‖ + TINY
+The bound. With l_v = w_v · h the exact float32-computed logit (`cpu_ops.gather_dot`'s
+arithmetic) and γ_K = K·2^-24 / (1 − K·2^-24) the error factor of a float32 sum of K products
+in any order (u = 2^-24):
 
-by Cauchy–Schwarz; SLACK_K carries a factor (1 + 2^-12) for the float32 rounding of the norms
-and of the bound itself. Comparisons then need no margin: rounding is monotone, so
-fl(l̃_v + b_v) ≥ l_v and fl(l̃_w − b_w) ≤ l_w. A token is a candidate when its upper bound reaches
-the best lower bound over the row; the true argmax always is one.
+    |ã_v − l_v| ≤ |(s_v q_v − w_v) · h|              (the rounding to int8)
+                + (γ_K + 2u) s_v Σ|q_vi h_i|            (ã's float32 sum and its scaling)
+                + γ_K Σ|w_vi h_i|                      (l's float32 sum)
+              ≤ (‖s_v q_v − w_v‖ + (γ_K + 2u) s_v ‖q_v‖ + γ_K ‖w_v‖) · ‖h‖ = c_v ‖h‖
 
-In PyTorch (`argmax_reference`) the candidates are the top `MAX_CANDIDATES` upper bounds per row (checked: the next
-upper bound must fall below the row's best lower bound, else that row falls back to the full
-float32 head); the C++ op (`cpu_ops.screened_argmax`) screens each row in two passes and keeps
-any number of candidates. Ties go to the lowest token id, like `torch.argmax` over the full logits.
+by Cauchy–Schwarz. c_v is computed once in float64 from the actual rounding errors (not a
+worst case: ≈ 2.5× the bfloat16 worst-case bound, so on real hidden states a row has ≈ 1.3
+candidates, 7 at most on our test windows) and stored with a factor (1 + 2^-12) that covers the
+float32 rounding of ‖h‖ and of the bound's own product; + TINY covers underflow. Comparisons
+need no margin: rounding is monotone, so fl(ã_v + b_v) ≥ l_v and fl(ã_w − b_w) ≤ l_w. A token is
+a candidate when its upper bound reaches the best lower bound over the row; the true argmax
+always is one.
+
+In PyTorch (`argmax_reference`) the candidates are the top `MAX_CANDIDATES` upper bounds per row
+(checked: the next upper bound must fall below the row's best lower bound, else that row falls
+back to the full float32 head); the C++ op (`cpu_ops.screened_argmax`) streams the int8 copy in
+blocks of 8 rows and keeps any number of candidates. Ties go to the lowest token id, like
+`torch.argmax` over the full logits.
 """
 from __future__ import annotations
 
@@ -29,36 +38,63 @@ import torch
 
 from . import cpu_ops
 
-BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
 FP32_ROUNDOFF = 2.0**-24
-TINY = 2.0**-40  # bfloat16 underflow of the weights (< 2^-134 per |h_i|, for |h_i| < 2^83)
+TINY = 2.0**-40  # underflow of the products (< K·2^-149 for any float32 h)
 MAX_CANDIDATES = 16
+BLOCK = 8  # vocabulary rows per block of the packed int8 copy
 
 
-def screen_slack(d: int) -> float:
-    """SLACK_K above for K = d: bound on |l̃ − l| per unit of ‖w‖·‖h‖."""
-    gamma = d * FP32_ROUNDOFF / (1 - d * FP32_ROUNDOFF)
-    return (BF16_ROUNDOFF + gamma * (1 + BF16_ROUNDOFF) + gamma) * (1 + 2.0**-12)
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [V, K] float32 -> (q int8 [V, K], s float32 [V], c float32 [V]): the int8 copy and
+    the bound per unit ‖h‖ (see the module docstring), rounded up."""
+    w = weight.double()
+    K = w.shape[1]
+    s = (w.abs().amax(dim=1) / 127).float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 exactly
+    q = (w / s.double()[:, None]).round().clamp(-127, 127)
+    gamma = K * FP32_ROUNDOFF / (1 - K * FP32_ROUNDOFF)
+    sq = s.double()[:, None] * q
+    c = ((w - sq).norm(dim=1) + (gamma + 2 * FP32_ROUNDOFF) * sq.norm(dim=1) + gamma * w.norm(dim=1))
+    c = (c * (1 + 2.0**-12)).float()
+    c = torch.nextafter(c, torch.full_like(c, float("inf")))  # rounded up, not to nearest
+    return q.to(torch.int8), s, c
 
 
 class ScreenedHead:
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight.contiguous()  # [V, d] float32 (the token embedding)
-        self.low = weight.to(torch.bfloat16).contiguous()  # [V, d]
-        self.row_norm = weight.float().norm(dim=1)  # [V]
-        self.slack = screen_slack(weight.shape[1])
+        self.weight = weight.float().contiguous()  # [V, K] float32 (the token embedding)
+        V, K = self.weight.shape
+        q, self.scale, self.bound = quantize(self.weight)
+        blocks = -(-V // BLOCK)
+        padded = torch.zeros(blocks * BLOCK, K, dtype=torch.int8)
+        padded[:V] = q
+        # [blocks, K/8, 8 rows, 8 features]: one block streams as one sequential run (C++ op)
+        self.packed = (padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2).contiguous()
+                       if K % 8 == 0 else None)
+        self.q = q if self.packed is None else None  # the reference unpacks `packed` when it can
+
+    def int8_weights(self) -> torch.Tensor:
+        """q [V, K] int8."""
+        if self.q is not None:
+            return self.q
+        V, K = self.weight.shape
+        return self.packed.transpose(1, 2).reshape(-1, K)[:V]
 
     def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, d] -> [N]: argmax over the vocabulary of the float32 logits hidden @ weight.T,
         skipping `banned` ([V] or [N, V] bool), ties to the lowest id."""
-        if cpu_ops.active(hidden):  # the same algorithm in one C++ op (any number of candidates)
-            return cpu_ops.screened_argmax(hidden, self.low, self.weight, self.row_norm, self.slack, TINY, banned)
+        if cpu_ops.active(hidden) and self.packed is not None:  # one C++ op, any number of candidates
+            return cpu_ops.screened_argmax(hidden, self.packed, self.scale, self.bound, self.weight, TINY, banned)
         return self.argmax_reference(hidden, banned)
+
+    def approx(self, hidden: torch.Tensor) -> torch.Tensor:
+        """ã [N, V] (float32 GEMM with the int8 copy, then the row scales)."""
+        return (hidden.float() @ self.int8_weights().float().T) * self.scale
 
     def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         hidden = hidden.float()
-        approx = cpu_ops.linear(hidden, self.low, None, torch.float32)  # [N, V]
-        bound = (hidden.norm(dim=1, keepdim=True) * self.slack) * self.row_norm + TINY
+        approx = self.approx(hidden)  # [N, V]
+        bound = hidden.norm(dim=1, keepdim=True) * self.bound + TINY
         if banned is not None:
             approx.masked_fill_(banned, -float("inf"))
         floor = (approx - bound).amax(dim=1, keepdim=True)  # the best guaranteed logit per row

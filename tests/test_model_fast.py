@@ -185,7 +185,7 @@ def test_screened_head_equals_fast_logits_argmax(head64):
 
 
 def test_screened_head_falls_back_when_candidates_overflow(monkeypatch):
-    """Many tokens tied within bf16 resolution: more candidates than MAX_CANDIDATES, so the
+    """Many tokens tied within int8 resolution: more candidates than MAX_CANDIDATES, so the
     row takes the full float32 head, and the answer is still exact (lowest id on exact ties)."""
     import specwhisper.head as heads
 
