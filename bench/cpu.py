@@ -9,6 +9,10 @@ speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfl
     python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
     python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
 
+Decode time per token = (median whole call − the system's median encoder time) / tokens, so a
+draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls.
+All systems are timed interleaved (each repeat runs every system on every window in turn).
+
 Writes <out>/cpu.json (everything), cpu.md (the tables) and cpu.png. Windows are ≈ 25 s of flite
 speech (several voices per window), synthesized into a temporary folder. Step timings are medians
 of back-to-back repetitions at a mid-window position (64 tokens in).
@@ -148,20 +152,33 @@ def profile_step(engine: Engine, mel: torch.Tensor) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
-def end_to_end(name, run, encode, mels, repeats) -> dict:
-    """Decode seconds per window (whole call minus the encoder's median time over the windows)
-    and the tokens of each window."""
-    tokens, totals = [], []
-    for mel in mels:
-        tokens.append(run(mel))
-        totals.append(timed(lambda: run(mel), repeats))
-    enc = statistics.median(timed(lambda: encode(mel), repeats) for mel in mels)
-    decode = [t - enc for t in totals]
-    n = sum(len(t) + 1 for t in tokens)  # + 1: the EOT step
-    seconds = sum(decode) if min(decode) > 0 else float("nan")  # nan: the timing was swamped by noise
-    print(f"{name}: {1e3 * seconds / n:.1f} ms/token", flush=True)
-    return dict(name=name, tokens=tokens, call_seconds=totals, encoder_seconds=enc, decode_seconds=decode,
-                tokens_per_s=n / seconds, ms_per_token=1e3 * seconds / n)
+def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
+    """Every system's whole call per window, interleaved (each repeat times every system on every
+    window in turn, so a slow spell of the machine hits all alike); decode seconds per window =
+    median call minus the system's median encoder time. systems: (name, run, encode)."""
+    tokens = {name: [run(mel) for mel in mels] for name, run, _ in systems}  # also the warm-up
+    calls = {name: [[] for _ in mels] for name, _, _ in systems}
+    encs = {name: [] for name, _, _ in systems}
+    for _ in range(repeats):
+        for name, run, encode in systems:
+            for i, mel in enumerate(mels):
+                t = time.perf_counter()
+                run(mel)
+                calls[name][i].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                encode(mel)
+                encs[name].append(time.perf_counter() - t)
+    out = []
+    for name, _, _ in systems:
+        totals = [statistics.median(c) for c in calls[name]]
+        enc = statistics.median(encs[name])
+        decode = [t - enc for t in totals]
+        n = sum(len(t) + 1 for t in tokens[name])  # + 1: the EOT step
+        seconds = sum(decode) if min(decode) > 0 else float("nan")  # nan: swamped by noise
+        print(f"{name}: {1e3 * seconds / n:.1f} ms/token, {sum(totals):.2f} s per {len(mels)} calls", flush=True)
+        out.append(dict(name=name, tokens=tokens[name], call_seconds=totals, encoder_seconds=enc,
+                        decode_seconds=decode, tokens_per_s=n / seconds, ms_per_token=1e3 * seconds / n))
+    return out
 
 
 def main() -> None:
@@ -197,6 +214,8 @@ def main() -> None:
     result["floor_ms"] = floor_ms
     draft_engine = Engine(tiny)
     result["draft_step_ms"] = {"tiny.en": 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1])[1]}
+    draft_engine.target.model.compact_decoder()  # what Engine(base, tiny.en) drafts with on the CPU
+    result["draft_step_ms"]["tiny.en compact"] = 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1])[1]
     result["profile"] = profile_step(engine, mels[0])
 
     def ours(e, k=None):
@@ -205,41 +224,52 @@ def main() -> None:
     def our_encoder(e):
         return lambda mel: e.target.model.encoder(mel[None].to(e.dtype))
 
-    runs = [end_to_end("specwhisper target-only", ours(engine), our_encoder(engine), mels, args.repeats)]
     import ctranslate2
 
     ct = ctranslate2.models.Whisper(str(ct2_dir("base")), device="cpu", compute_type="float32",
                                     intra_threads=args.threads)
     prompt = engine.target.tokenizer.prompt("en", "transcribe")
     view = lambda mel: ctranslate2.StorageView.from_array(np.ascontiguousarray(mel[None].numpy()))  # noqa: E731
-    runs.append(end_to_end("CTranslate2 float32", lambda mel: list(ct.generate(view(mel), [prompt], beam_size=1)[0]
-                                                                  .sequences_ids[0]),
-                           lambda mel: ct.encode(view(mel), to_cpu=True), mels, args.repeats))
+    systems = [("specwhisper target-only", ours(engine), our_encoder(engine)),
+               ("CTranslate2 float32", lambda mel: list(ct.generate(view(mel), [prompt], beam_size=1)[0]
+                                                         .sequences_ids[0]),
+                lambda mel: ct.encode(view(mel), to_cpu=True))]
     if not args.no_hf:
         from transformers import WhisperForConditionalGeneration
 
         hf = WhisperForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
-        with torch.inference_mode():
-            runs.append(end_to_end(
-                "transformers generate",
-                lambda mel: hf.generate(mel[None], language="en", task="transcribe", do_sample=False,
-                                        num_beams=1)[0].tolist(),
-                lambda mel: hf.model.encoder(mel[None]), mels, args.repeats))
+
+        def hf_run(mel):
+            with torch.inference_mode():
+                return hf.generate(mel[None], language="en", task="transcribe", do_sample=False,
+                                   num_beams=1)[0].tolist()
+
+        def hf_encode(mel):
+            with torch.inference_mode():
+                return hf.model.encoder(mel[None])
+
+        systems.append(("transformers generate", hf_run, hf_encode))
     drafts = {"tiny.en": tiny, "self": base} | ({"distilled": args.distilled} if args.distilled else {})
+    spec_engines = {}
     for name, folder in drafts.items():
-        e = Engine(base, folder)
+        e = spec_engines[name] = Engine(base, folder)
         for k in (None, args.k):
-            runs.append(end_to_end(f"specwhisper + {name} (k={k or 'adaptive'})", ours(e, k), our_encoder(e),
-                                   mels, args.repeats))
-            stats = [e.transcribe(m, language="en", num_draft_tokens=k).stats for m in mels]
-            runs[-1]["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
+            systems.append((f"specwhisper + {name} (k={k or 'adaptive'})", ours(e, k), our_encoder(e)))
     bf16 = Engine(base, dtype=torch.bfloat16)
-    runs.append(end_to_end("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16), mels, args.repeats))
+    systems.append(("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16)))
+    runs = end_to_end(systems, mels, args.repeats)
+    for r in runs:
+        for name, e in spec_engines.items():
+            if r["name"].startswith(f"specwhisper + {name} "):
+                k = None if "adaptive" in r["name"] else args.k
+                stats = [e.transcribe(m, language="en", num_draft_tokens=k).stats for m in mels]
+                r["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
     ref_tokens = runs[0]["tokens"]
     decode = lambda toks: [engine.target.tokenizer.decode(t) for t in toks]  # noqa: E731
     for r in runs:
         r["identical_to_target_only"] = r["tokens"] == ref_tokens
         r["speedup_vs_target_only"] = runs[0]["ms_per_token"] / r["ms_per_token"]
+        r["call_speedup_vs_ct2"] = sum(runs[1]["call_seconds"]) / sum(r["call_seconds"])
         r["wer"] = wer(texts, decode(r["tokens"]))
     result["runs"] = runs
     result["bf16_step_ms"] = 1e3 * step_times(bf16, mels[0], args.repeats * 5, rows=[1])[1]
@@ -264,18 +294,22 @@ def markdown(r: dict) -> str:
              f"| target step (blocks + screened head, position {r['position']}) | {r['step_ms'][1]:.1f} | "
              f"{r['step_ms'][1] / r['floor_ms']:.2f} |",
              f"| target step, bfloat16 model | {r['bf16_step_ms']:.1f} | {r['bf16_step_ms'] / r['floor_ms']:.2f} |",
-             f"| draft step tiny.en | {r['draft_step_ms']['tiny.en']:.1f} | |"]
+             f"| draft step tiny.en | {r['draft_step_ms']['tiny.en']:.1f} | |",
+             f"| draft step tiny.en, compact (bfloat16 projections, as drafts run) | "
+             f"{r['draft_step_ms']['tiny.en compact']:.1f} | |"]
     lines += [f"| decode, {x['name']} | {x['ms_per_token']:.1f} | {x['ms_per_token'] / r['floor_ms']:.2f} |"
               for x in r["runs"] if not x["name"].startswith("specwhisper +")]
     lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",
               "|---" * (len(r["verify_over_step"]) + 1) + "|",
               "| verify / step | " + " | ".join(f"{v:.2f}" for v in r["verify_over_step"].values()) + " |", "",
-              "| system | tokens/s (decode) | ms/token | vs target-only | vs CT2 | acceptance | tokens = target-only | WER |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| system | tokens/s (decode) | ms/token | vs target-only | vs CT2 (decode) | vs CT2 (whole call) "
+              "| acceptance | tokens = target-only | WER |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for x in r["runs"]:
         acc = f"{x['acceptance']:.2f}" if "acceptance" in x else ""
         lines.append(f"| {x['name']} | {x['tokens_per_s']:.1f} | {x['ms_per_token']:.1f} | "
-                     f"{x['speedup_vs_target_only']:.2f}× | {ct2['ms_per_token'] / x['ms_per_token']:.2f}× | {acc} | "
+                     f"{x['speedup_vs_target_only']:.2f}× | {ct2['ms_per_token'] / x['ms_per_token']:.2f}× | "
+                     f"{x['call_speedup_vs_ct2']:.2f}× | {acc} | "
                      f"{'yes' if x['identical_to_target_only'] else 'NO'} | {x['wer']:.3f} |")
     lines += ["", "One target step, torch.profiler (5 steps):", "```", r["profile"], "```"]
     return "\n".join(lines) + "\n"

@@ -570,6 +570,39 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
     }
 }
 
+// ------------------------------------------------------------------ whole decoder blocks
+// All decoder layers of one step in one call (spec: specwhisper/model.py DecoderLayer.forward_rows,
+// the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
+// step (≈ 16 ops a layer). params: 18 tensors per layer, in the order of `layer_params` in
+// model.py. Caches: [n_layers, B, H, S, D] views.
+at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const at::Tensor& self_k,
+                          const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v,
+                          const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,
+                          int64_t n_heads, double eps) {
+  const int64_t L = self_k.size(0);
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == 18 * L, "decoder_layers: 18 parameters per layer");
+  const int64_t B = x_in.size(0), T = x_in.size(1), d = x_in.size(2), Dh = d / n_heads;
+  const double scale = std::pow(static_cast<double>(Dh), -0.5);
+  at::Tensor x = x_in;
+  auto linear = [](const at::Tensor& a, const at::Tensor& w, const at::Tensor& b) {
+    return linear_rows(a, w, b, c10::nullopt);
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* p = params.data() + 18 * l;
+    at::Tensor qkv = linear(at::layer_norm(x, {d}, p[0], p[1], eps), p[2], p[3]).view({B, T, 3, n_heads, Dh});
+    at::Tensor sk = self_k.select(0, l), sv = self_v.select(0, l);
+    kv_write(sk, sv, qkv.select(2, 1), qkv.select(2, 2), write_pos);
+    at::Tensor a = decode_attention(qkv.select(2, 0), sk, sv, n_self, scale);
+    x = x + linear(a, p[4], p[5]);
+    at::Tensor q = linear(at::layer_norm(x, {d}, p[6], p[7], eps), p[8], p[9]);
+    a = decode_attention(q.view({B, T, n_heads, Dh}), cross_k.select(0, l), cross_v.select(0, l), n_cross, scale);
+    x = x + linear(a, p[10], p[11]);
+    at::Tensor h = at::gelu(linear(at::layer_norm(x, {d}, p[12], p[13], eps), p[14], p[15]));
+    x = x + linear(h, p[16], p[17]);
+  }
+  return x;
+}
+
 // How many threads at::parallel_for really uses in this extension (a build without OpenMP
 // silently runs every op on one thread; tests check this equals torch.get_num_threads()).
 int64_t parallel_threads() {
@@ -584,6 +617,7 @@ int64_t parallel_threads() {
 
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
+  m.def("decoder_layers(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, Tensor write_pos, Tensor n_self, Tensor n_cross, int n_heads, float eps) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
@@ -597,6 +631,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("screened_argmax", &screened_argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
+  m.impl("decoder_layers", &decoder_layers);
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads); }

@@ -9,6 +9,8 @@ ninja on first use) beside the PyTorch reference of each op, with the same signa
 - `attention(q [B, T, H, D], k_cache, v_cache [B, H, S, D], n_keys [B, T], scale)`: each query reads
   keys 0..n_keys-1 -> [B, T, H * D].
 - `kv_write(k_cache, v_cache, k, v, pos [B, T])`: cache[b, :, pos[b, t]] = new[b, t].
+- `decoder_layers(...)`: all decoder layers of a step in one call (the ops above, in the order
+  of `model.DecoderLayer.forward_rows`): no per-op Python overhead.
 
 Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory bandwidth and
 2-3 rows as repeated GEMVs; these ops read every weight once for all rows, and compute each
@@ -67,6 +69,11 @@ def active(x: torch.Tensor) -> bool:
             and _ops() is not None)
 
 
+def available() -> bool:
+    """Whether the C++ ops are built and enabled (whatever the grad mode)."""
+    return _ops() is not None
+
+
 @contextlib.contextmanager
 def reference():
     """Run the PyTorch references inside this block (tests compare the two)."""
@@ -99,6 +106,13 @@ def attention(q, k_cache, v_cache, n_keys, scale):
     if active(q) and q.shape[-1] == k_cache.shape[-1]:
         return _ops().decode_attention(q, k_cache, v_cache, n_keys, scale)
     return attention_reference(q, k_cache, v_cache, n_keys, scale)
+
+
+def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross, n_heads, eps):
+    """Every decoder layer of one step in one C++ call: `model.DecoderLayer.forward_rows` per
+    layer, the same ops in the same order (callers check `active` first)."""
+    return _ops().decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross,
+                                 n_heads, eps)
 
 
 def kv_write(k_cache, v_cache, k, v, pos):

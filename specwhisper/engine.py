@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from . import cpu_ops
 from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from .decoding import LoadedModel
 from .draft import DraftLength, Drafter
@@ -35,10 +36,15 @@ class Engine:
     """
 
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
-                 draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True):
+                 draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
+                 compact_draft: bool | None = None):
         """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
+        `compact_draft`: store the draft decoder's projection weights in bfloat16 (half the
+        bytes of a draft step; the output stays exact, the target verifies every proposal); None:
+        on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
+        (the target's own weights, kept exact);
         `max_batch`: windows decoded together (memory: one KV-cache slot each); `background`:
         decode in a loop thread (False: the calling thread of `transcribe` runs the iterations,
         and `step()` runs one; for single-threaded hosts and deterministic tests)."""
@@ -54,8 +60,13 @@ class Engine:
         self.target = LoadedModel.load(target, self.device, dtype)
         self.drafter = None
         if draft is not None:
-            self.drafter = Drafter(LoadedModel.load(draft, self.device, dtype), self.target, shared_encoder,
-                                   draft_head_tokens)
+            draft_model = LoadedModel.load(draft, self.device, dtype)
+            if compact_draft is None:  # a self draft stays the target's exact copy (acceptance 1.0)
+                compact_draft = (self.device.type == "cpu" and dtype == torch.float32 and cpu_ops.available()
+                                 and not same_decoder(draft_model.model, self.target.model))
+            if compact_draft:
+                draft_model.model.compact_decoder()
+            self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
         self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
         self._cond = threading.Condition()
@@ -346,3 +357,11 @@ class StepClock:
             self.marks[-1].synchronize()
             return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def same_decoder(a, b) -> bool:
+    """Whether two models have the same decoder blocks (a self draft, perhaps with its vocabulary
+    spelled differently)."""
+    sa, sb = a.decoder.layers.state_dict(), b.decoder.layers.state_dict()
+    return sa.keys() == sb.keys() and all(sa[n].shape == sb[n].shape and torch.equal(sa[n], sb[n]) for n in sa)
+

@@ -191,7 +191,12 @@ class Decoder(nn.Module):
             features = audio_features[j:j + 1]
             for i, layer in enumerate(self.layers):
                 attn = layer.encoder_attn
-                if cpu_ops.active(features) and attn.k_proj.weight.dtype == torch.bfloat16:
+                weight_dtype = attn.k_proj.weight.dtype
+                if weight_dtype == torch.bfloat16 and features.dtype == torch.float32:
+                    # a compact draft (bfloat16 weights, float32 compute): torch's float32 GEMM
+                    k, v = (attn.heads(F.linear(features, p.weight.float(), None if p.bias is None else p.bias.float()))
+                            for p in (attn.k_proj, attn.v_proj))
+                elif cpu_ops.active(features) and weight_dtype == torch.bfloat16:
                     # torch's bfloat16 GEMM is slow without native bf16 arithmetic
                     k, v = (attn.heads(cpu_ops.linear(features, p.weight, p.bias)) for p in (attn.k_proj, attn.v_proj))
                 else:
@@ -219,6 +224,12 @@ class Decoder(nn.Module):
             n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
             n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
             write_pos = write_pos.long().contiguous()
+            if self.fused_step:  # every layer in one C++ call (the same ops as forward_rows)
+                x = cpu_ops.decoder_layers(x, self.layer_params(), cache.self_k[:, :b, :, :s],
+                                           cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b],
+                                           write_pos, n_self, n_cross, self.layers[0].self_attn.n_heads,
+                                           self.layers[0].self_attn_layer_norm.eps)
+                return self.layer_norm(x)
             for layer, self_k, self_v, cross_k, cross_v in layers:
                 x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
             return self.layer_norm(x)
@@ -227,6 +238,27 @@ class Decoder(nn.Module):
         for layer, self_k, self_v, cross_k, cross_v in layers:
             x = layer(x, write_pos, mask, self_k, self_v, cross_k, cross_v)
         return self.layer_norm(x)
+
+    fused_step = True  # False: run the layers one `forward_rows` call at a time (the spec)
+
+    def layer_params(self) -> list[torch.Tensor]:
+        """The 18 tensors per layer `cpu_ops.decoder_layers` reads, in its order (cached; call
+        `forget_layer_params` after replacing weights)."""
+        if getattr(self, "_layer_params", None) is None:
+            params = []
+            for layer in self.layers:
+                sa, ca = layer.self_attn, layer.encoder_attn
+                params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
+                           sa.fused_weight, sa.fused_bias, sa.out_proj.weight, sa.out_proj.bias,
+                           layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias,
+                           ca.q_proj.weight, ca.q_proj.bias, ca.out_proj.weight, ca.out_proj.bias,
+                           layer.final_layer_norm.weight, layer.final_layer_norm.bias,
+                           layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias]
+            self._layer_params = [t.detach() for t in params]
+        return self._layer_params
+
+    def forget_layer_params(self) -> None:
+        self._layer_params = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> float32 logits [..., vocab] (tied output head, float32 accumulation)."""
@@ -251,3 +283,18 @@ class Whisper(nn.Module):
         `Attention.fuse`)."""
         for layer in self.decoder.layers:
             layer.self_attn.fuse(("q", "k", "v"))
+        self.decoder.forget_layer_params()
+
+    def compact_decoder(self) -> None:
+        """Store the decoder blocks' projection weights in bfloat16 (half the bytes a step reads),
+        computing in float32 as before (`cpu_ops.linear` widens them exactly). For drafts on the
+        CPU only: a draft proposes and the target verifies, so the output stays exact; the C++
+        decode ops must be available (torch's own float32 path cannot mix the dtypes)."""
+        if not cpu_ops.available():
+            raise RuntimeError("compact_decoder needs the C++ decode ops (cpu_ops)")
+        for layer in self.decoder.layers:
+            for module in layer.modules():
+                if isinstance(module, nn.Linear):
+                    module.to(torch.bfloat16)
+            layer.self_attn.fuse(("q", "k", "v"))
+        self.decoder.forget_layer_params()

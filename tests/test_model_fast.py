@@ -150,6 +150,30 @@ def test_decoder_hidden_matches_reference(head64, dtype):
     torch.testing.assert_close(logits, slow, rtol=tol, atol=tol * slow.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype,compact", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
+    """`cpu_ops.decoder_layers` (every layer in one C++ call) gives the bits of the per-layer
+    `forward_rows` loop: hidden states and caches, rows at different positions, the scratch slot."""
+    from specwhisper.model import Decoder
+
+    model, features, gen = decoder_setup(head64, dtype, batch=2)
+    if compact:
+        model.model.compact_decoder()
+    dec = model.model.decoder
+    tokens = torch.randint(0, 50000, (2, 5), generator=gen)
+    pos = torch.stack([torch.arange(30, 35), torch.arange(445, 450).clamp(max=448)])
+    out = []
+    for fused in (True, False):
+        monkeypatch.setattr(Decoder, "fused_step", fused)
+        cache = fresh_cache(model, features, dtype)
+        dec.hidden(torch.randint(0, 50000, (2, 30), generator=torch.Generator().manual_seed(1)),
+                   torch.arange(30).expand(2, 30), cache)
+        out.append((dec.hidden(tokens, pos, cache, kv_len=450), cache))
+    (a, ca), (b, cb) = out
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_results_do_not_depend_on_batch_or_t(head64, dtype):
     """Row 0 run alone one position at a time, in a batch of 3 with other rows, and as one
@@ -215,3 +239,29 @@ def test_bfloat16_speculative_equals_target_only(head64):
     assert len(plain.tokens) >= 10
     assert spec.tokens == plain.tokens
     assert spec.stats.acceptance_rate == 1.0  # its own draft: every proposal is the target's choice
+
+
+def test_compact_draft_keeps_output_exact(head64, ckpt_dir):
+    """A float32 draft on the CPU stores its decoder projections in bfloat16 by default (half the
+    bytes of a draft step); the target verifies every proposal, so the output is unchanged."""
+    from specwhisper import load_audio, log_mel_spectrogram
+    from specwhisper.samples import sample_paths
+
+    other = ckpt_dir("head64-draft", vocab_size=51865, n_mels=80, d_model=128, heads=2, seed=6)
+    mel = log_mel_spectrogram(load_audio(sample_paths()[0]), n_mels=80)
+    plain = Engine(head64).transcribe(mel, language="en", max_new_tokens=24)
+    compact = Engine(head64, other)
+    full = Engine(head64, other, compact_draft=False)
+    layer = compact.drafter.draft.model.decoder.layers[0]
+    assert layer.fc1.weight.dtype == torch.bfloat16 and layer.self_attn.fused_weight.dtype == torch.bfloat16
+    assert layer.final_layer_norm.weight.dtype == torch.float32
+    assert full.drafter.draft.model.decoder.layers[0].fc1.weight.dtype == torch.float32
+    assert compact.target.model.decoder.layers[0].fc1.weight.dtype == torch.float32  # never the target
+    self_draft = Engine(head64, head64).drafter.draft.model.decoder.layers[0]
+    assert self_draft.fc1.weight.dtype == torch.float32  # a self draft stays exact (acceptance 1.0)
+    for engine in (compact, full):
+        out = engine.transcribe(mel, language="en", max_new_tokens=24, num_draft_tokens=3)
+        assert out.tokens == plain.tokens and out.stats.drafted > 0
+    sampled = [e.transcribe(mel, language="en", max_new_tokens=24, num_draft_tokens=3, temperature=0.8, seed=3).tokens
+               for e in (Engine(head64), compact)]
+    assert sampled[0] == sampled[1]  # seeded sampling: the target's tokens whatever the draft
