@@ -108,13 +108,16 @@ def bandwidth() -> dict:
 
 
 def bytes_per_token(engine: Engine) -> dict:
-    """Bytes one decode step must read: decoder blocks, output head (screened bf16 or own dtype),
+    """Bytes one decode step must read: decoder blocks, output head (screened int8 or own dtype),
     cross-attention K/V (the self-attention cache at POSITION is small but counted)."""
     dec, cfg = engine.target.model.decoder, engine.target.config
-    blocks = sum(p.numel() * p.element_size() for p in dec.layers.parameters())
+    unread = {id(p) for layer in dec.layers for p in (layer.encoder_attn.k_proj.weight,
+                                                       layer.encoder_attn.v_proj.weight,
+                                                       layer.encoder_attn.v_proj.bias)}  # cross K/V: once a window
+    blocks = sum(p.numel() * p.element_size() for p in dec.layers.parameters() if id(p) not in unread)
     blocks += sum(p.numel() * p.element_size() for p in dec.layer_norm.parameters())
     w = dec.embed_tokens.weight
-    head = w.numel() * (2 if engine.target.head is not None else w.element_size())
+    head = w.numel() * (1 if engine.target.head is not None else w.element_size())  # screened: int8
     item = torch.finfo(engine.dtype).bits // 8
     cross = 2 * cfg.decoder_layers * cfg.max_source_positions * cfg.d_model * item
     self_kv = 2 * cfg.decoder_layers * POSITION * cfg.d_model * item
@@ -201,7 +204,7 @@ def main() -> None:
     mels = [log_mel_spectrogram(a) for a, _ in windows]
     texts = [t for _, t in windows]
     result = dict(machine=platform.processor() or platform.machine(), threads=args.threads,
-                  torch=torch.__version__, decode_ops=cpu_ops.active(torch.empty(0)),
+                  torch=torch.__version__, decode_ops=cpu_ops.available(),
                   window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)
 
     engine = Engine(base)
