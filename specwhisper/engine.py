@@ -364,4 +364,3 @@ def same_decoder(a, b) -> bool:
     spelled differently)."""
     sa, sb = a.decoder.layers.state_dict(), b.decoder.layers.state_dict()
     return sa.keys() == sb.keys() and all(sa[n].shape == sb[n].shape and torch.equal(sa[n], sb[n]) for n in sa)
-
