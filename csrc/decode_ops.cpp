@@ -346,11 +346,10 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
       for (int64_t b = c * per_chunk; b < b_end; ++b) {
         const int8_t* blk = qp + b * kQB * K;
         float* o = ap + b * kQB;
-        int64_t m = 0;
         if (vec) {
           q8_rows(hp, N, K, blk, b + 1 < blocks ? blk + kQB * K : blk, o, ld);
         } else {
-          for (; m < N; ++m)
+          for (int64_t m = 0; m < N; ++m)
             for (int j = 0; j < kQB; ++j) o[m * ld + j] = q8_dot_scalar(hp + m * K, K, blk, j);
         }
         for (int64_t r = 0; r < N; ++r) {
