@@ -484,14 +484,16 @@ void softmax_values(float* scores, const T* v, int64_t vs, int64_t n, int64_t D,
 // q [B, T, H, D] (last dim contiguous, any other strides), caches [B, H, S, D] (rows of D
 // contiguous), n_keys [B, T] int64 (keys 0..n-1 are read, n <= S) -> out [B, T, H * D] in q's
 // dtype. q is scaled by `scale` (rounded to q's dtype, as the reference does) before the
-// products. The scores of all T queries of a head come from one pass over its keys.
-template <typename T>
+// products. The scores of all T queries of a head come from one pass over its keys. T: q's
+// dtype; C: the caches' (bfloat16 caches with float32 queries widen exactly, so they give the
+// bits of float32 caches holding the same values).
+template <typename T, typename C = T>
 void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& n_keys,
                     double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Tq = q.size(1), H = q.size(2), D = q.size(3);
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
+  const C* kp = reinterpret_cast<const C*>(kc.data_ptr());
+  const C* vp = reinterpret_cast<const C*>(vc.data_ptr());
   const int64_t* np = n_keys.data_ptr<int64_t>();
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const auto qs = q.strides(), ks = kc.strides(), vs = vc.strides();
@@ -506,8 +508,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
         const T* qv = qp + b * qs[0] + t * qs[1] + h * qs[2];
         for (int64_t d = 0; d < D; ++d) qf[t * D + d] = widen(static_cast<T>(widen(qv[d]) * static_cast<float>(scale)));
       }
-      const T* kbh = kp + b * ks[0] + h * ks[1];
-      const T* vbh = vp + b * vs[0] + h * vs[1];
+      const C* kbh = kp + b * ks[0] + h * ks[1];
+      const C* vbh = vp + b * vs[0] + h * vs[1];
       matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
       for (int64_t t = 0; t < Tq; ++t) {
         softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data());
@@ -523,8 +525,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: q [B,T,H,D], caches [B,H,S,D]");
   TORCH_CHECK(q.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
               k_cache.stride(2) == k_cache.size(3), "decode_attention: last dims and key rows must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "decode_attention: q and caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (q.scalar_type() == k_cache.scalar_type() ||
+               (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "decode_attention: q and caches must share a dtype (or float32 q with bfloat16 caches)");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == q.size(0) && k_cache.size(1) == q.size(2) &&
               k_cache.size(3) == q.size(3), "decode_attention: shape mismatch");
   TORCH_CHECK(n_keys.scalar_type() == at::kLong && n_keys.is_contiguous() && n_keys.dim() == 2 &&
@@ -533,7 +537,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   for (int64_t i = 0; i < n_keys.numel(); ++i)
     TORCH_CHECK(np[i] >= 1 && np[i] <= k_cache.size(2), "decode_attention: n_keys ", np[i], " outside 1..", k_cache.size(2));
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2) * q.size(3)}, q.options());
-  if (q.scalar_type() == at::kFloat)
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)
+    attention_impl<float, bf16>(q, k_cache, v_cache, n_keys, scale, out);
+  else if (q.scalar_type() == at::kFloat)
     attention_impl<float>(q, k_cache, v_cache, n_keys, scale, out);
   else if (q.scalar_type() == at::kBFloat16)
     attention_impl<bf16>(q, k_cache, v_cache, n_keys, scale, out);

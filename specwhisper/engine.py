@@ -41,8 +41,9 @@ class Engine:
         """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
-        `compact_draft`: store the draft decoder's projection weights in bfloat16 (half the
-        bytes of a draft step; the output stays exact, the target verifies every proposal); None:
+        `compact_draft`: store the draft decoder's projection weights and its cross-attention
+        K/V in bfloat16 (half the bytes of a draft step; the output stays exact, the target
+        verifies every proposal); None:
         on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
         (the target's own weights, kept exact);
         `max_batch`: windows decoded together (memory: one KV-cache slot each); `background`:

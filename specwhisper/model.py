@@ -110,7 +110,8 @@ class DecoderCache:
     the last slot is a *scratch* slot: writes for positions past the end (proposals a row can never
     use) land there instead of overwriting a real slot, and no query ever reads it.
     cross_k/cross_v: [n_layers, batch, heads, 1500, head_dim] cross-attention keys/values,
-    computed once per utterance by `Decoder.fill_cross`.
+    computed once per utterance by `Decoder.fill_cross`, in `cross_dtype` (default: `dtype`; a
+    compact draft on the CPU keeps them in bfloat16, read by the C++ attention as float32).
     """
 
     self_k: torch.Tensor
@@ -119,12 +120,12 @@ class DecoderCache:
     cross_v: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: WhisperConfig, batch: int, device, dtype) -> "DecoderCache":
+    def allocate(cls, cfg: WhisperConfig, batch: int, device, dtype, cross_dtype=None) -> "DecoderCache":
         h = cfg.decoder_attention_heads
         shape = (cfg.decoder_layers, batch, h, cfg.max_target_positions + 1, cfg.d_model // h)
         cross = (cfg.decoder_layers, batch, h, cfg.max_source_positions, cfg.d_model // h)
-        new = lambda s: torch.zeros(s, device=device, dtype=dtype)  # noqa: E731
-        return cls(new(shape), new(shape), new(cross), new(cross))
+        new = lambda s, t=dtype: torch.zeros(s, device=device, dtype=t)  # noqa: E731
+        return cls(new(shape), new(shape), new(cross, cross_dtype or dtype), new(cross, cross_dtype or dtype))
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return self.self_k, self.self_v, self.cross_k, self.cross_v
@@ -240,6 +241,7 @@ class Decoder(nn.Module):
         return self.layer_norm(x)
 
     fused_step = True  # False: run the layers one `forward_rows` call at a time (the spec)
+    compact = False  # projections in bfloat16 (`Whisper.compact_decoder`)
 
     def layer_params(self) -> list[torch.Tensor]:
         """The 18 tensors per layer `cpu_ops.decoder_layers` reads, in its order (cached; call
@@ -297,4 +299,5 @@ class Whisper(nn.Module):
                 if isinstance(module, nn.Linear):
                     module.to(torch.bfloat16)
             layer.self_attn.fuse(("q", "k", "v"))
+        self.decoder.compact = True  # its runner keeps the cross-attention K/V in bfloat16 too
         self.decoder.forget_layer_params()

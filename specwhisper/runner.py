@@ -106,7 +106,10 @@ class Runner:
         self.host_budget = [0] * S  # budget per slot (known on the host from the spec)
         if drafter is not None:
             d = drafter
-            self.dcache = DecoderCache.allocate(d.draft.config, S, device, dtype)
+            # a compact draft reads its cross-attention K/V in bfloat16 too (half the bytes per step)
+            compact = d.draft.model.decoder.compact and dtype == torch.float32 and device.type == "cpu"
+            self.dcache = DecoderCache.allocate(d.draft.config, S, device, dtype,
+                                                torch.bfloat16 if compact else None)
             self.dtokens, self.dn, self.dcached = z(S, L), z(S), z(S)
             self.draft_on = z(S, dtype=torch.bool)
             self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)

@@ -94,6 +94,22 @@ def test_attention_matches_reference(dtype, D):
             assert torch.equal(one[0, 0], out[b, t])
 
 
+def test_attention_reads_bfloat16_caches_with_float32_queries():
+    """A compact draft's cross K/V are bfloat16 while its queries are float32: the op widens them
+    exactly, so the result has the bits of float32 caches holding the same values."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 3, 4, 64)
+    k, v = (torch.randn(2, 4, 40, 64).bfloat16() for _ in range(2))
+    n_keys = torch.tensor([[40, 17, 1], [5, 40, 33]])
+    out = cpu_ops.attention(q, k, v, n_keys, 0.125)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, cpu_ops.attention(q, k.float(), v.float(), n_keys, 0.125))
+    torch.testing.assert_close(out, cpu_ops.attention_reference(q, k.float(), v.float(), n_keys, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_ops.attention(q.bfloat16(), k.float(), v.float(), n_keys, 0.125)
+
+
 def test_kv_write_matches_reference():
     gen = torch.Generator().manual_seed(0)
     caches = [torch.zeros(2, 3, 10, 8) for _ in range(4)]
@@ -256,6 +272,8 @@ def test_compact_draft_keeps_output_exact(head64, ckpt_dir):
     assert layer.fc1.weight.dtype == torch.bfloat16 and layer.self_attn.fused_weight.dtype == torch.bfloat16
     assert layer.final_layer_norm.weight.dtype == torch.float32
     assert full.drafter.draft.model.decoder.layers[0].fc1.weight.dtype == torch.float32
+    assert compact.runner.dcache.cross_k.dtype == torch.bfloat16  # its cross K/V too
+    assert full.runner.dcache.cross_k.dtype == torch.float32
     assert compact.target.model.decoder.layers[0].fc1.weight.dtype == torch.float32  # never the target
     self_draft = Engine(head64, head64).drafter.draft.model.decoder.layers[0]
     assert self_draft.fc1.weight.dtype == torch.float32  # a self draft stays exact (acceptance 1.0)
