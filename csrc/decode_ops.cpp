@@ -438,17 +438,24 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 
-// exp, normalizer and value sum for D == 64 (the value accumulation in 8 registers, the same
-// per-element operations as the scalar form in softmax_values).
-template <typename T>
-__attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, const T* v, int64_t vs, int64_t n,
-                                                             float best, float* out) {
+// exp(scores - best) in place for scores[0..n) -> their sum, in order.
+__attribute__((target("avx2,fma"))) inline float softmax_weights_avx2(float* scores, int64_t n, float best) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(scores + j, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(best))));
   for (; j < n; ++j) scores[j] = exp_scalar(scores[j] - best);
   float total = 0.0f;
   for (j = 0; j < n; ++j) total += scores[j];
+  return total;
+}
+
+// exp, normalizer and value sum for D == 64 (the value accumulation in 8 registers, the same
+// per-element operations as the scalar form in softmax_values).
+template <typename T>
+__attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, const T* v, int64_t vs, int64_t n,
+                                                             float best, float* out) {
+  const float total = softmax_weights_avx2(scores, n, best);
+  int64_t j;
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (j = 0; j < n; ++j) {
@@ -458,6 +465,64 @@ __attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, cons
   }
   const __m256 div = _mm256_set1_ps(total);
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], div));
+}
+
+// The value sums of G queries (D == 64) in one pass over the value rows per 16 dimensions, so V
+// is read once for all the queries of a verify pass (not once per query). w[g][0..n[g]) are the
+// softmax weights of query g, total[g] their sum. Each output element is the same chain of
+// fmas over j ascending as in softmax_values_avx2, then the same division: the same bits.
+template <int G, typename T>
+__attribute__((target("avx2,fma"))) void values_group_avx2(const float* const* w, const int64_t* n,
+                                                           const float* total, const T* v, int64_t vs,
+                                                           float* const* out) {
+  int64_t n_max = 0;
+  for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
+  for (int c = 0; c < 64; c += 16) {
+    __m256 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n_max; ++j) {
+      const T* vj = v + j * vs + c;
+      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
+      for (int g = 0; g < G; ++g)
+        if (j < n[g]) {
+          const __m256 p = _mm256_set1_ps(w[g][j]);
+          acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 div = _mm256_set1_ps(total[g]);
+      _mm256_storeu_ps(out[g] + c, _mm256_div_ps(acc[g][0], div));
+      _mm256_storeu_ps(out[g] + c + 8, _mm256_div_ps(acc[g][1], div));
+    }
+  }
+}
+
+// Softmax-weighted value sums of Tq >= 2 queries (D == 64): weights per query, then the value
+// pass in groups of up to 6 queries (12 accumulators + 2 value registers).
+template <typename T>
+__attribute__((target("avx2,fma"))) void softmax_values_multi_avx2(float* scores, int64_t ld, const int64_t* n,
+                                                                   int64_t Tq, const T* v, int64_t vs, float* out) {
+  std::vector<float> total(Tq);
+  std::vector<const float*> w(Tq);
+  std::vector<float*> o(Tq);
+  for (int64_t t = 0; t < Tq; ++t) {
+    float* st = scores + t * ld;
+    float best = -INFINITY;
+    for (int64_t j = 0; j < n[t]; ++j) best = std::max(best, st[j]);
+    total[t] = softmax_weights_avx2(st, n[t], best);
+    w[t] = st, o[t] = out + t * 64;
+  }
+  for (int64_t t = 0; t < Tq; t += 6) {
+    switch (std::min<int64_t>(6, Tq - t)) {
+      case 1: values_group_avx2<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 2: values_group_avx2<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 3: values_group_avx2<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 4: values_group_avx2<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 5: values_group_avx2<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      default: values_group_avx2<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+    }
+  }
 }
 
 // Softmax-weighted sum of values for one query whose scores[0..n) are computed.
@@ -503,7 +568,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       const int64_t b = task / H, h = task % H;
       int64_t n_max = 0;
       for (int64_t t = 0; t < Tq; ++t) n_max = std::max(n_max, np[b * Tq + t]);
-      std::vector<float> qf(Tq * D), scores(Tq * n_max), of(D);
+      std::vector<float> qf(Tq * D), scores(Tq * n_max), of(Tq * D);
       for (int64_t t = 0; t < Tq; ++t) {
         const T* qv = qp + b * qs[0] + t * qs[1] + h * qs[2];
         for (int64_t d = 0; d < D; ++d) qf[t * D + d] = widen(static_cast<T>(widen(qv[d]) * static_cast<float>(scale)));
@@ -511,10 +576,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       const C* kbh = kp + b * ks[0] + h * ks[1];
       const C* vbh = vp + b * vs[0] + h * vs[1];
       matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
+      if (vec && D == 64 && Tq > 1 && vs[3] == 1) {  // several queries: V read once for all
+        softmax_values_multi_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
+      } else {
+        for (int64_t t = 0; t < Tq; ++t)
+          softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data() + t * D);
+      }
       for (int64_t t = 0; t < Tq; ++t) {
-        softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data());
         T* o = op + ((b * Tq + t) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[d]);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[t * D + d]);
       }
     }
   });
