@@ -120,13 +120,19 @@ class SubsetHead:
     """Greedy argmax over a subset of the vocabulary: a draft's pruned output head.
 
     A draft only proposes; the target verifies every proposal with its full head, so a draft
-    that can only say the `keep` tokens stays exact and just proposes less often right."""
+    that can only say the `keep` tokens stays exact and just proposes less often right. A float32
+    head on the CPU is screened like the full one (`ScreenedHead` over the kept rows: an int8
+    copy, a quarter of the bytes, the same argmax)."""
 
     def __init__(self, weight: torch.Tensor, keep: torch.Tensor):
         self.keep = keep  # [N] vocabulary ids kept, ascending
         self.weight = weight[keep].contiguous()  # [N, d]
+        screen = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[1] % 8 == 0
+        self.screened = ScreenedHead(self.weight) if screen else None
 
     def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+        if self.screened is not None:
+            return self.keep[self.screened.argmax(hidden, None if banned is None else banned[..., self.keep])]
         if cpu_ops.active(hidden):
             logits = cpu_ops.linear(hidden, self.weight, None, torch.float32)  # [rows, N]
         else:

@@ -95,3 +95,23 @@ def test_banned_winner_is_skipped():
     hidden = torch.tensor([[0.1, 0.9, 0.5, 0.2]])
     banned = torch.tensor([False, True, False, False])
     assert head.argmax(hidden, banned).tolist() == [2]
+
+
+def test_subset_head_is_the_argmax_over_its_tokens():
+    """The pruned draft head screens its kept rows like the full head: the same argmax as the
+    float32 logits over those tokens, bans included."""
+    from specwhisper.head import SubsetHead
+
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(3000, 64, generator=gen)
+    keep = torch.cat([torch.arange(0, 1000), torch.tensor([2999])])
+    head = SubsetHead(weight, keep)
+    assert head.screened is not None
+    hidden = torch.randn(40, 64, generator=gen)
+    banned = torch.zeros(40, 3000, dtype=torch.bool)
+    banned[::3, keep[:500]] = True
+    for b in (None, banned, banned[0]):
+        logits = hidden @ weight[keep].T
+        if b is not None:
+            logits = logits.masked_fill(b[..., keep], -float("inf"))
+        assert torch.equal(head.argmax(hidden, b), keep[logits.argmax(dim=-1)])
