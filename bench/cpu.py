@@ -189,7 +189,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--k", type=int, default=4, help="num_draft_tokens of the speculative runs")
+    p.add_argument("--k", type=int, nargs="+", default=[4],
+                   help="fixed num_draft_tokens values of the speculative runs (besides adaptive)")
     p.add_argument("--distilled", default=None, help="a shared-encoder draft folder (specwhisper distill)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--out", default="bench/results")
@@ -219,6 +220,12 @@ def main() -> None:
     result["draft_step_ms"] = {"tiny.en": 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1])[1]}
     draft_engine.target.model.compact_decoder()  # what Engine(base, tiny.en) drafts with on the CPU
     result["draft_step_ms"]["tiny.en compact"] = 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1])[1]
+    if args.distilled:
+        draft_engine = Engine(args.distilled)
+        draft_engine.target.model.compact_decoder()
+        result["draft_step_ms"]["distilled compact"] = 1e3 * step_times(draft_engine, mels[0], args.repeats * 5,
+                                                                        rows=[1])[1]
+    del draft_engine
     result["profile"] = profile_step(engine, mels[0])
 
     def ours(e, k=None):
@@ -256,7 +263,7 @@ def main() -> None:
     spec_engines = {}
     for name, folder in drafts.items():
         e = spec_engines[name] = Engine(base, folder)
-        for k in (None, args.k):
+        for k in (None, *args.k):
             systems.append((f"specwhisper + {name} (k={k or 'adaptive'})", ours(e, k), our_encoder(e)))
     bf16 = Engine(base, dtype=torch.bfloat16)
     systems.append(("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16)))
@@ -264,7 +271,7 @@ def main() -> None:
     for r in runs:
         for name, e in spec_engines.items():
             if r["name"].startswith(f"specwhisper + {name} "):
-                k = None if "adaptive" in r["name"] else args.k
+                k = None if "adaptive" in r["name"] else int(r["name"].rsplit("k=", 1)[1].rstrip(")"))
                 stats = [e.transcribe(m, language="en", num_draft_tokens=k).stats for m in mels]
                 r["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
     ref_tokens = runs[0]["tokens"]
@@ -300,6 +307,9 @@ def markdown(r: dict) -> str:
              f"| draft step tiny.en | {r['draft_step_ms']['tiny.en']:.1f} | |",
              f"| draft step tiny.en, compact (bfloat16 projections, as drafts run) | "
              f"{r['draft_step_ms']['tiny.en compact']:.1f} | |"]
+    if "distilled compact" in r["draft_step_ms"]:
+        lines.append(f"| draft step distilled, compact (shares the target's encoder) | "
+                     f"{r['draft_step_ms']['distilled compact']:.1f} | |")
     lines += [f"| decode, {x['name']} | {x['ms_per_token']:.1f} | {x['ms_per_token'] / r['floor_ms']:.2f} |"
               for x in r["runs"] if not x["name"].startswith("specwhisper +")]
     lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",

@@ -11,7 +11,13 @@ by a hash of its text), so the two never share a sentence, and none equals a bun
     python bench/make_speech.py --out /tmp/speech-train --n 300
     python bench/make_speech.py --out /tmp/speech-heldout --n 20 --split heldout
 The grammar is small (14 templates): a draft trained on it learns that domain; held-out
-acceptance on it is in-domain. Needs flite, espeak-ng and sox on PATH.
+acceptance on it is in-domain. `--text fortunes` draws instead from the ≈ 12 000 plain English
+sentences of the Debian `fortunes` files (varied everyday English, none of bench/cpu.py's
+sentences), and `--voices espeak` leaves out the flite voices bench/cpu.py speaks with, so a draft
+trained on that audio is measured on other sentences and other voices:
+
+    python bench/make_speech.py --out /tmp/speech-fortunes --n 300 --text fortunes --voices espeak
+Needs flite, espeak-ng and sox on PATH (and the Debian package `fortunes` for --text fortunes).
 """
 from __future__ import annotations
 
@@ -88,6 +94,37 @@ def sentence(rng: random.Random) -> str:
     return text[0].upper() + text[1:]
 
 
+FORTUNES = Path("/usr/share/games/fortunes")
+PLAIN_SENTENCE = re.compile(r"[A-Z][A-Za-z ,.'?!;-]*[a-z][.?!]")
+
+
+def fortune_sentences(folder: Path = FORTUNES) -> list[str]:
+    """Plain sentences (6+ words, 30-160 characters, letters and simple punctuation only) of the
+    fortune files in `folder`, sorted and deduplicated."""
+    if not folder.is_dir():
+        raise SystemExit(f"{folder} not found: install the Debian package `fortunes` (apt-get install fortunes)")
+    found = set()
+    for path in sorted(folder.iterdir()):
+        if path.suffix or not path.is_file():  # .dat index and .u8 copies
+            continue
+        for entry in re.split(r"^%$", path.read_text(errors="ignore"), flags=re.M):
+            entry = " ".join(re.sub(r"\n\s*--.*", "", entry, flags=re.S).split())  # drop the attribution
+            for s in re.split(r"(?<=[.!?])\s+", entry):
+                if 30 <= len(s) <= 160 and len(s.split()) >= 6 and PLAIN_SENTENCE.fullmatch(s):
+                    found.add(s)
+    return sorted(found)
+
+
+def bench_texts() -> set[str]:
+    """bench/cpu.py's evaluation sentences (kept out of every split)."""
+    import ast
+
+    tree = ast.parse((Path(__file__).parent / "cpu.py").read_text())
+    found = [node.value for node in tree.body if isinstance(node, ast.Assign)
+             and any(getattr(t, "id", None) == "SENTENCES" for t in node.targets)]
+    return set(ast.literal_eval(found[0])) if found else set()
+
+
 def split_of(text: str) -> str:
     return "heldout" if zlib.crc32(text.encode()) % HELDOUT_SHARE == 0 else "train"
 
@@ -127,11 +164,23 @@ def main(argv=None) -> int:
     p.add_argument("--sentences", type=int, nargs=2, default=(2, 5), metavar=("MIN", "MAX"),
                    help="sentences per utterance (inclusive range)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text", choices=["grammar", "fortunes"], default="grammar",
+                   help="sentence source: the template grammar or the Debian fortune files")
+    p.add_argument("--voices", choices=["all", "flite", "espeak"], default="all",
+                   help="voices to rotate through (bench/cpu.py speaks with the flite voices)")
     args = p.parse_args(argv)
 
     rng = random.Random(f"{args.split}-{args.seed}")
-    voices = [f"flite:{v}" for v in FLITE_VOICES] + [f"espeak-ng:{v}" for v in ESPEAK_VOICES]
-    exclude = bundled_texts()
+    voices = ([f"flite:{v}" for v in FLITE_VOICES] if args.voices != "espeak" else []) \
+        + ([f"espeak-ng:{v}" for v in ESPEAK_VOICES] if args.voices != "flite" else [])
+    exclude = bundled_texts() | bench_texts()
+    if args.text == "fortunes":
+        pool = [t for t in fortune_sentences() if split_of(t) == args.split and t not in exclude]
+        rng.shuffle(pool)
+        draw = iter(pool)
+        sentence_of = lambda rng: next(draw)  # noqa: E731  (each sentence used once)
+    else:
+        sentence_of = sentence
     args.out.mkdir(parents=True, exist_ok=True)
     entries = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +188,7 @@ def main(argv=None) -> int:
             n_sent = rng.randint(*args.sentences)
             parts: list[str] = []
             while len(parts) < n_sent:
-                s = sentence(rng)
+                s = sentence_of(rng)
                 if split_of(s) == args.split and s not in exclude and s not in parts:
                     parts.append(s)
                 if len(" ".join(parts)) > MAX_CHARS and len(parts) > 1:

@@ -201,7 +201,7 @@ def cmd_distill(args) -> int:
         torch.set_num_threads(args.threads)
     opts = DistillOptions(layers=args.layers, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           lr=args.lr, seed=args.seed, language=args.language, max_new_tokens=args.max_new_tokens,
-                          bf16=args.bf16, device=args.device)
+                          bf16=args.bf16, device=args.device, kd=args.kd, holdout=args.holdout)
     report = distill(model_folder(args.target), args.audio, args.out, opts)
     for line in report.skipped:
         print(f"skipped {line}", file=sys.stderr)
@@ -209,6 +209,9 @@ def cmd_distill(args) -> int:
     print(f"{report.out}: {report.step} steps in all ({len(report.losses)} now, {report.train_seconds:.0f} s; "
           f"teacher pass {report.teacher_seconds:.0f} s over {report.examples} windows)"
           + (f", loss {sum(last) / len(last):.3f}" if last else ""))
+    if report.agreement is not None:
+        print(f"held-out agreement with the target ({report.held_out} windows): {report.agreement_start:.3f} "
+              f"before training, {report.agreement:.3f} now (the expected greedy acceptance per proposal)")
     return 0
 
 
@@ -226,6 +229,10 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--language", default=None, help="language of the audio (default: detected per window)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="cap on the teacher's tokens per window")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--kd", type=float, default=1.0,
+                   help="weight of the loss against the target's distribution (0: its tokens only)")
+    d.add_argument("--holdout", type=float, default=0.1,
+                   help="share of windows kept out of training to measure agreement (with 10 windows or more)")
     d.add_argument("--bf16", action="store_true", help="bfloat16 autocast while training (for GPUs; "
                    "CPU builds without bf16 kernels run it far slower)")
     d.add_argument("--device", default=None)

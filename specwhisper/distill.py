@@ -3,14 +3,21 @@ transcripts of the user's audio (self-distillation: no labels needed).
 
 1. *Teacher pass*: every audio file (cut into 30 s windows) is transcribed greedily by
    `Engine(target)`; the encoder output of that call is kept. Each window gives an `Example`
-   (audio features [1500, d_model], prompt, generated tokens), cached one file per window under
-   OUT/.distill_cache, so a rerun skips the pass.
+   (audio features [1500, d_model], prompt, generated tokens, and the target's `top` most likely
+   tokens with their log-probabilities at every generated position, from one teacher-forced pass),
+   cached one file per window under OUT/.distill_cache, so a rerun skips the pass. A seeded share
+   of the windows (`holdout`) is kept out of training to measure the draft's *agreement*: how often
+   its argmax equals the target's token under teacher forcing, i.e. its expected greedy acceptance
+   rate per proposal, before and after training.
 2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
    (first and last for 2), with the target's token/position embeddings and final layer norm, learns
-   to predict the target's tokens (teacher forcing, cross-entropy over the generated positions and
-   EOT, prompt positions excluded) with AdamW. Frozen: the token embedding, which is also the tied
-   output head (the draft scores tokens with the target's own head), and the cross-attention
-   key/value projections, whose output for each window is then computed once.
+   to predict the target's tokens (teacher forcing over the generated positions and EOT, prompt
+   positions excluded) with AdamW. The loss is the cross-entropy against the target's token plus
+   `kd` times the cross-entropy against the target's distribution over its `top` tokens
+   (renormalized): the near-misses teach more per window than the argmax alone. Frozen: the token
+   embedding, which is also the tied output head (the draft scores tokens with the target's own
+   head), and the cross-attention key/value projections, whose output for each window is then
+   computed once.
 3. *Saving*: OUT becomes a Hugging Face Whisper folder (config.json with `decoder_layers`,
    model.safetensors with the target's encoder tensors copied unchanged plus the new decoder,
    tokenizer and generation config copied), which `Engine(target, draft=OUT)` recognizes as sharing
@@ -40,6 +47,8 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".we
 STATE_FILE = ".distill_state.pt"
 CACHE_DIR = ".distill_cache"
 WINDOW_SAMPLES = 30 * 16000  # one Whisper window of 16 kHz audio
+EOT_MARK = -1  # stands for EOT in `Example.labels` (the id is the tokenizer's)
+CACHE_VERSION = 2  # bump when the cached Example content changes
 TOKENIZER_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json", "tokenizer_config.json",
                    "vocab.json", "merges.txt", "normalizer.json", "added_tokens.json", "special_tokens_map.json")
 
@@ -60,6 +69,9 @@ class DistillOptions:
     bf16: bool = False  # bfloat16 autocast for the training forward/backward
     device: str | None = None  # None: cuda if available, else cpu
     progress: bool = True  # tqdm progress bars
+    kd: float = 1.0  # weight of the soft (teacher-distribution) cross-entropy; 0: hard labels only
+    top: int = 16  # teacher tokens kept per position for the soft targets
+    holdout: float = 0.1  # share of windows kept out of training to measure agreement (>= 10 windows)
 
     def __post_init__(self):
         if self.layers < 1:
@@ -70,11 +82,15 @@ class DistillOptions:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.kd < 0 or self.top < 1 or not 0 <= self.holdout < 1:
+            raise ValueError(f"kd must be >= 0, top >= 1 and holdout in [0, 1); got {self.kd}, {self.top}, "
+                             f"{self.holdout}")
 
     def fingerprint(self) -> dict:
         """What a resumed run must share with the saved one (steps and minutes may change)."""
         return {k: v for k, v in asdict(self).items() if k in ("layers", "batch_size", "lr", "warmup",
-                                                                 "weight_decay", "seed", "bf16")}
+                                                                 "weight_decay", "seed", "bf16", "kd", "top",
+                                                                 "holdout")}
 
 
 @dataclass
@@ -85,6 +101,13 @@ class Example:
     prompt: list[int]  # the decoder prompt the target used
     tokens: list[int]  # the target's greedy tokens after the prompt, without EOT
     ended: bool = True  # the target emitted EOT after `tokens` (False: cut at the length limit)
+    soft_ids: torch.Tensor | None = None  # [n, top] int: the target's top tokens at each labelled position
+    soft_logp: torch.Tensor | None = None  # [n, top] float16: their log-probabilities (n = labels)
+
+    @property
+    def labels(self) -> list[int]:
+        """What the positions from the last prompt token on must predict: tokens, then EOT if emitted."""
+        return self.tokens + ([EOT_MARK] if self.ended else [])
 
 
 @dataclass
@@ -92,6 +115,9 @@ class DistillReport:
     out: Path  # the saved draft folder
     examples: int  # training windows
     skipped: list[str] = field(default_factory=list)  # files or windows not used, with the reason
+    held_out: int = 0  # windows kept out of training (agreement is measured on them)
+    agreement_start: float | None = None  # held-out agreement of the initial draft
+    agreement: float | None = None  # held-out agreement of the saved draft
     step: int = 0  # optimizer steps done in all (resumed runs included)
     losses: list[float] = field(default_factory=list)  # per step of this run
     teacher_seconds: float = 0.0  # teacher pass of this run
@@ -115,8 +141,8 @@ def audio_files(folder: str | Path) -> list[Path]:
 
 def _cache_key(target_id: str, path: Path, window: int, opts: DistillOptions) -> str:
     st = path.stat()
-    text = json.dumps([target_id, str(path.resolve()), st.st_size, st.st_mtime_ns, window,
-                       opts.language, opts.max_new_tokens])
+    text = json.dumps([CACHE_VERSION, target_id, str(path.resolve()), st.st_size, st.st_mtime_ns, window,
+                       opts.language, opts.max_new_tokens, opts.top])
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -153,8 +179,8 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
                 entry = cache / f"{_cache_key(target_id, path, w, opts)}.pt"
                 if entry.is_file():
                     saved = torch.load(entry, weights_only=True)
-                    example = Example(saved["features"], saved["prompt"], saved["tokens"],
-                                      saved.get("ended", True))
+                    example = Example(saved["features"], saved["prompt"], saved["tokens"], saved["ended"],
+                                      saved["soft_ids"], saved["soft_logp"])
                 else:
                     captured.clear()
                     result = engine.transcribe(torch.from_numpy(audio[start:start + WINDOW_SAMPLES]),
@@ -165,9 +191,12 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
                     prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
                     limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
                     example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
+                    if example.tokens:
+                        example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
                     tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
                     torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
-                                "ended": example.ended}, tmp)
+                                "ended": example.ended, "soft_ids": example.soft_ids,
+                                "soft_logp": example.soft_logp}, tmp)
                     tmp.replace(entry)
                 if not example.tokens:
                     skipped.append(f"{path} (window {w}): the target transcribes it to nothing")
@@ -181,11 +210,66 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
     return examples
 
 
+@torch.no_grad()  # not inference mode: the results are training inputs
+def teacher_soft(target, example: Example, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's `top` most likely tokens and their log-probabilities [n, top] at each labelled
+    position of `example` (teacher forcing over its own transcript; suppressed tokens excluded)."""
+    dec, eot = target.model.decoder, target.tokenizer.eot
+    seq = example.prompt + [eot if t == EOT_MARK else t for t in example.labels]
+    param = next(dec.parameters())
+    features = example.features[None].to(param.device, param.dtype)
+    k, v = cross_kv(dec, features)
+    hidden = teacher_forced_hidden(dec, k, v, torch.tensor([seq[:-1]], device=param.device))
+    logits = dec.logits(hidden[0, len(example.prompt) - 1:]).float()
+    logp = logits.masked_fill(target.suppress.to(logits.device), -float("inf")).log_softmax(-1)
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    return ids.to(torch.int32).cpu(), values.clamp(min=-1e4).half().cpu()
+
+
+def split_holdout(examples: list[Example], opts: DistillOptions) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) windows: a seeded `holdout` share (at least one) is held out when
+    there are 10 windows or more."""
+    n = len(examples)
+    held = max(1, round(n * opts.holdout)) if opts.holdout > 0 and n >= 10 else 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(opts.seed * 7_919 + 17)).tolist()
+    out = set(order[:held])
+    return [e for i, e in enumerate(examples) if i not in out], [e for i, e in enumerate(examples) if i in out]
+
+
+@torch.no_grad()
+def agreement(decoder: Decoder, examples: list[Example], eot: int, suppress: torch.Tensor | None = None,
+              batch_size: int = 8) -> float:
+    """Share of the teacher's labels (tokens, and EOT where emitted) that the draft's argmax
+    predicts under teacher forcing: its expected greedy acceptance rate per proposal."""
+    param = next(decoder.parameters())
+    hits = total = 0
+    for at in range(0, len(examples), batch_size):
+        chunk = examples[at:at + batch_size]
+        features = torch.stack([e.features for e in chunk]).to(param.device, param.dtype)
+        k, v = cross_kv(decoder, features)
+        seqs = [e.prompt + [eot if t == EOT_MARK else t for t in e.labels] for e in chunk]
+        T = max(len(s) for s in seqs) - 1
+        inputs = torch.full((len(chunk), T), eot, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            inputs[b, :len(s) - 1] = torch.tensor(s[:-1])
+        hidden = teacher_forced_hidden(decoder, k, v, inputs.to(param.device))
+        for b, (e, s) in enumerate(zip(chunk, seqs)):
+            p = len(e.prompt) - 1
+            logits = decoder.logits(hidden[b, p:len(s) - 1]).float()
+            if suppress is not None:
+                logits.masked_fill_(suppress.to(logits.device), -float("inf"))
+            want = torch.tensor(s[p + 1:], device=logits.device)
+            hits += int((logits.argmax(-1) == want).sum())
+            total += len(want)
+    return hits / max(total, 1)
+
+
 def batch_of(examples: list[Example], step: int, opts: DistillOptions, eot: int, device):
     """The batch for optimizer step `step`: a walk through seeded per-epoch permutations, so the
     batch depends only on (seed, step). -> example indices [B], inputs [B, T], labels [B, T]
-    (-100 where no loss: prompt positions and padding). EOT is a label only where the target
-    emitted it."""
+    (-100 where no loss: prompt positions and padding), and the soft targets (ids, log-probs)
+    [N, top] of the labelled positions in row-major order (None when an example has none). EOT is a
+    label only where the target emitted it."""
     n, bs = len(examples), opts.batch_size
     picks = []
     for i in range(step * bs, (step + 1) * bs):
@@ -202,7 +286,12 @@ def batch_of(examples: list[Example], step: int, opts: DistillOptions, eot: int,
     for b, (s, p) in enumerate(zip(seqs, starts)):
         inputs[b, :len(s) - 1] = torch.tensor(s[:-1])
         labels[b, p:len(s) - 1] = torch.tensor(s[p + 1:])
-    return picks, inputs.to(device), labels.to(device)
+    chosen = [examples[i] for i in picks]
+    soft = None
+    if all(ex.soft_ids is not None for ex in chosen):
+        soft = (torch.cat([ex.soft_ids for ex in chosen]).long().to(device),
+                torch.cat([ex.soft_logp for ex in chosen]).float().to(device))
+    return picks, inputs.to(device), labels.to(device), soft
 
 
 # ---------------------------------------------------------------- model
@@ -261,13 +350,18 @@ def teacher_forced_hidden(decoder: Decoder, cross_k: torch.Tensor, cross_v: torc
     return decoder.layer_norm(x)
 
 
-def distill_loss(decoder: Decoder, cross_k, cross_v, inputs, labels) -> torch.Tensor:
+def distill_loss(decoder: Decoder, cross_k, cross_v, inputs, labels, soft=None, kd: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of the draft against the teacher's tokens over the labelled positions
-    (the head runs only there)."""
+    (the head runs only there), plus `kd` times its cross-entropy against the teacher's
+    distribution over the `soft` = (ids, log-probs) [N, top] tokens, renormalized."""
     hidden = teacher_forced_hidden(decoder, cross_k, cross_v, inputs)
     keep = labels >= 0
     logits = decoder.logits(hidden[keep]).float()  # [N, V]
-    return F.cross_entropy(logits, labels[keep])
+    loss = F.cross_entropy(logits, labels[keep])
+    if soft is not None and kd > 0:
+        ids, logp = soft
+        loss = loss - kd * (logp.softmax(-1) * logits.log_softmax(-1).gather(1, ids)).sum(-1).mean()
+    return loss
 
 
 def learning_rate(step: int, opts: DistillOptions) -> float:
@@ -323,10 +417,15 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     t0 = time.perf_counter()
     examples = teacher_examples(engine, files, out / CACHE_DIR, opts, report.skipped)
     report.teacher_seconds = time.perf_counter() - t0
-    report.examples = len(examples)
+    examples, held = split_holdout(examples, opts)
+    report.examples, report.held_out = len(examples), len(held)
+    suppress = engine.target.suppress.to(device)
 
     decoder = init_draft_decoder(engine.target.model, opts.layers)
     del engine  # the teacher's decoder and caches are no longer needed
+    decoder.to(device)
+    if held:
+        report.agreement_start = agreement(decoder, held, eot, suppress)
     decoder.to(device).train()
     params = [p for p in decoder.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.98), eps=1e-6,
@@ -354,7 +453,7 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     smooth, cross = None, {}
     try:
         while step < opts.steps and (deadline is None or time.perf_counter() < deadline):
-            picks, inputs, labels = batch_of(examples, step, opts, eot, device)
+            picks, inputs, labels, soft = batch_of(examples, step, opts, eot, device)
             for i in picks:
                 if i not in cross:  # float16 in memory: half of 2·layers·1500·d floats per window
                     k, v = cross_kv(decoder, examples[i].features[None].to(device))
@@ -365,7 +464,7 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, opts)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.bf16):
-                loss = distill_loss(decoder, cross_k, cross_v, inputs, labels)
+                loss = distill_loss(decoder, cross_k, cross_v, inputs, labels, soft, opts.kd)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -384,4 +483,6 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
         checkpoint()
         decoder.eval()
         save_draft(decoder, target_folder, out)
+    if held:
+        report.agreement = agreement(decoder, held, eot, suppress)
     return report

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from specwhisper import Engine
-from specwhisper.distill import (DistillOptions, Example, audio_files, batch_of, cross_kv, distill,
-                                 init_draft_decoder, layer_choice, teacher_examples, teacher_forced_hidden)
+from specwhisper.distill import (DistillOptions, Example, agreement, audio_files, batch_of, cross_kv, distill,
+                                 distill_loss, init_draft_decoder, layer_choice, split_holdout, teacher_examples,
+                                 teacher_forced_hidden)
 from specwhisper.model import DecoderCache
 from specwhisper.samples import sample_paths
 from specwhisper.weights import load_whisper
@@ -150,14 +151,15 @@ def test_teacher_forced_forward_equals_the_cached_decoder(multilingual):
 def test_batches_label_only_generated_positions():
     examples = [Example(torch.zeros(1), [9, 8, 7], [1, 2]), Example(torch.zeros(1), [9, 8, 7], [3])]
     opts = replace(OPTS, batch_size=2)
-    picks, inputs, labels = batch_of(examples, 0, opts, eot=0, device="cpu")
+    picks, inputs, labels, soft = batch_of(examples, 0, opts, eot=0, device="cpu")
+    assert soft is None  # these examples carry no teacher distribution
     rows = {tuple(inputs[b].tolist()): labels[b].tolist() for b in range(2)}
     # input: prompt + tokens (EOT-padded); label: tokens + EOT from the last prompt position on
     assert rows == {(9, 8, 7, 1, 2): [-100, -100, 1, 2, 0], (9, 8, 7, 3, 0): [-100, -100, 3, 0, -100]}
     assert sorted(picks) == [0, 1]
     # a transcript cut at the length limit has no EOT to learn
     examples[1].ended = False
-    _, inputs, labels = batch_of(examples, 0, opts, eot=0, device="cpu")
+    _, inputs, labels, _ = batch_of(examples, 0, opts, eot=0, device="cpu")
     rows = {tuple(inputs[b].tolist()): labels[b].tolist() for b in range(2)}
     assert rows == {(9, 8, 7, 1, 2): [-100, -100, 1, 2, 0], (9, 8, 7, 0, 0): [-100, -100, 3, -100, -100]}
     # the order is seeded: the same (seed, step) gives the same batch
@@ -173,3 +175,54 @@ def test_cli(multilingual, clips, tmp_path, capsys):
                  "--device", "cpu"]) == 0
     assert "2 steps in all" in capsys.readouterr().out
     assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
+
+
+def test_soft_targets_follow_the_labels_and_weigh_in_the_loss(multilingual, clips, tmp_path):
+    engine = Engine(multilingual, device="cpu")
+    examples = teacher_examples(engine, audio_files(clips), tmp_path / "cache", OPTS, [])
+    eot = engine.target.tokenizer.eot
+    for ex in examples:
+        n = len(ex.tokens) + ex.ended
+        assert ex.soft_ids.shape == ex.soft_logp.shape == (n, OPTS.top)
+        # the teacher-forced pass ranks the target's own greedy token first (ties aside)
+        want = torch.tensor(ex.tokens + [eot] * ex.ended)
+        top1 = ex.soft_ids[:, 0].long()
+        tied = ex.soft_logp[:, 0] == ex.soft_logp.gather(1, (ex.soft_ids == want[:, None]).long().argmax(1, keepdim=True))[:, 0]
+        assert bool(((top1 == want) | tied).all())
+        assert bool((ex.soft_logp[:, :-1] >= ex.soft_logp[:, 1:]).all())  # sorted, most likely first
+    # a full copy of the target agrees with it everywhere under teacher forcing
+    copy = init_draft_decoder(engine.target.model, engine.target.config.decoder_layers)
+    assert agreement(copy, examples, eot, engine.target.suppress) > 0.95
+
+    # kd = 0: plain cross-entropy; one-hot soft targets on the labels: the same term twice
+    opts = replace(OPTS, batch_size=3)
+    picks, inputs, labels, soft = batch_of(examples, 0, opts, eot, "cpu")
+    assert soft is not None and soft[0].shape[0] == int((labels >= 0).sum())
+    draft = init_draft_decoder(engine.target.model, 1)
+    k, v = cross_kv(draft, torch.stack([examples[i].features for i in picks]))
+    hard = distill_loss(draft, k, v, inputs, labels)
+    assert torch.equal(distill_loss(draft, k, v, inputs, labels, soft, kd=0.0), hard)
+    one_hot = (labels[labels >= 0][:, None], torch.zeros(soft[0].shape[0], 1))
+    torch.testing.assert_close(distill_loss(draft, k, v, inputs, labels, one_hot, kd=1.0), 2 * hard)
+    assert distill_loss(draft, k, v, inputs, labels, soft, kd=1.0) > hard
+
+
+def test_holdout_split_and_reported_agreement(multilingual, clips, tmp_path):
+    examples = [Example(torch.zeros(1), [1], [i]) for i in range(20)]
+    train, held = split_holdout(examples, replace(OPTS, holdout=0.1))
+    assert len(held) == 2 and len(train) == 18 and {id(e) for e in train}.isdisjoint(id(e) for e in held)
+    again = split_holdout(examples, replace(OPTS, holdout=0.1))[1]
+    assert [e.tokens for e in again] == [e.tokens for e in held]  # seeded
+    assert split_holdout(examples[:9], replace(OPTS, holdout=0.1))[1] == []  # too few windows to spare one
+    assert split_holdout(examples, replace(OPTS, holdout=0.0))[1] == []
+
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(4):
+        for path in clips.iterdir():
+            shutil.copy(path, many / f"{i}-{path.name}")
+    report = distill(multilingual, many, tmp_path / "draft", replace(OPTS, steps=2, holdout=0.25))
+    assert report.held_out == 3 and report.examples == 9
+    assert 0.0 <= report.agreement_start <= 1.0 and 0.0 <= report.agreement <= 1.0
+    with pytest.raises(ValueError, match="holdout"):
+        DistillOptions(holdout=1.0)
