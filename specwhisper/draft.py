@@ -127,9 +127,11 @@ class DraftLength:
 
     Fixed when the user gives `num_draft_tokens`. Otherwise adaptive, in two parts:
     - *which k*: the acceptance rate α is estimated as accepted / (accepted + rejections) over
-      recent iterations (exponentially weighted), the cost ratio c = (draft step time) / (verify
-      pass time) is measured, and k in 1..8 maximizes E[tokens per pass] / (k·c + 1) with
-      E = (1 − α^(k+1)) / (1 − α);
+      recent iterations (exponentially weighted), the cost ratio c = (draft step time) / (plain
+      pass time) and the growth g of a verify pass per drafted token (pass(k) = pass(0)·(1 + g·k):
+      ≈ 0 on a GPU, where k + 1 rows cost what one does; ≈ 0.15–0.25 on a CPU, where each row
+      adds arithmetic) are measured, and k in 1..8 maximizes E[tokens per pass] / (k·c + 1 + g·k)
+      with E = (1 − α^(k+1)) / (1 − α);
     - *whether to draft at all*: the measured throughput (emitted tokens per second) of
       speculative iterations, charged with the draft's per-utterance setup (its encoder and
       cross K/V), is compared with that of plain target steps. One plain step every 16
@@ -146,7 +148,9 @@ class DraftLength:
     def __init__(self, fixed: int | None):
         self.fixed = fixed
         self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
-        self.cost_ratio = 0.3  # prior draft-step / verify-pass time
+        self.cost_ratio = 0.3  # prior draft-step / plain-pass time
+        self.growth = 0.0  # prior growth of a verify pass per drafted token (g)
+        self.plain_pass = None  # running seconds of one plain pass (k = 0)
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
         self.spec_iters = 0
@@ -155,7 +159,8 @@ class DraftLength:
 
     def best(self) -> tuple[int, float]:
         alpha = min(self.accepted / self.trials, 0.999)
-        gains = [((1 - alpha ** (k + 1)) / (1 - alpha) / (k * self.cost_ratio + 1), k) for k in range(1, MAX_K + 1)]
+        gains = [((1 - alpha ** (k + 1)) / (1 - alpha) / (k * (self.cost_ratio + self.growth) + 1), k)
+                 for k in range(1, MAX_K + 1)]
         gain, k = max(gains)
         return k, gain
 
@@ -180,6 +185,9 @@ class DraftLength:
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
         if k == 0:
             self.plain = self._track(self.plain, tokens, seconds)
+            if verify_seconds > 0:
+                self.plain_pass = verify_seconds if self.plain_pass is None else \
+                    self.DECAY * self.plain_pass + (1 - self.DECAY) * verify_seconds
             if self.pays():
                 self.k = self.best()[0]
             else:
@@ -194,7 +202,11 @@ class DraftLength:
         self.accepted = self.DECAY * self.accepted + succ
         self.trials = self.DECAY * self.trials + succ + fail
         if verify_seconds > 0:
-            self.cost_ratio = self.DECAY * self.cost_ratio + (1 - self.DECAY) * (draft_seconds / k) / verify_seconds
+            if self.plain_pass is not None:
+                g = max(0.0, (verify_seconds / self.plain_pass - 1) / k)
+                self.growth = self.DECAY * self.growth + (1 - self.DECAY) * g
+            plain_pass = verify_seconds / (1 + self.growth * k)
+            self.cost_ratio = self.DECAY * self.cost_ratio + (1 - self.DECAY) * (draft_seconds / k) / plain_pass
         refresh = self.spec_iters % self.REFRESH == 0
         if self.pays():
             self.probe_every = self.until_probe = self.REFRESH

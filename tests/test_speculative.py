@@ -196,6 +196,17 @@ def test_draft_length_rule():
         drafting.append(sum(step(rule, True, 0.05) > 0 for _ in range(4)))
     assert sum(drafting[-10:]) <= 3, drafting  # accurate and cheap per token, but not worth its setup
 
+    rule = DraftLength(None)  # a CPU-like verify pass: each drafted token adds 25% of a plain pass
+    flat = DraftLength(None)
+    for r in (rule, flat):
+        r.plain_pass = 1.0
+    for _ in range(60):
+        rule.update(4, [3], [False], draft_seconds=4 * 0.1, verify_seconds=2.0)
+        flat.update(4, [3], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
+    assert abs(rule.growth - 0.25) < 0.01 and flat.growth == 0.0
+    assert abs(rule.cost_ratio - 0.1) < 0.01 and abs(flat.cost_ratio - 0.1) < 0.01  # per plain pass
+    assert rule.best()[0] < flat.best()[0]  # the growing pass asks for fewer drafted tokens
+
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
     assert fixed.k == 5
