@@ -210,7 +210,8 @@ def cmd_distill(args) -> int:
           f"teacher pass {report.teacher_seconds:.0f} s over {report.examples} windows)"
           + (f", loss {sum(last) / len(last):.3f}" if last else ""))
     if report.agreement is not None:
-        print(f"held-out agreement with the target ({report.held_out} windows): {report.agreement_start:.3f} "
+        print(f"held-out agreement with the target ({report.held_out} of {report.held_out + report.examples} "
+              f"windows held out): {report.agreement_start:.3f} "
               f"before training, {report.agreement:.3f} now (the expected greedy acceptance per proposal)")
     return 0
 

@@ -176,6 +176,16 @@ def test_cli(multilingual, clips, tmp_path, capsys):
     assert "2 steps in all" in capsys.readouterr().out
     assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
 
+    many = tmp_path / "many"  # 12 windows: one is held out, and its agreement is printed
+    many.mkdir()
+    for i in range(4):
+        for path in clips.iterdir():
+            shutil.copy(path, many / f"{i}-{path.name}")
+    assert main(["distill", "--target", str(multilingual), "--audio", str(many), "--out", str(tmp_path / "d2"),
+                 "--steps", "1", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
+                 "--device", "cpu", "--holdout", "0.1"]) == 0
+    assert "held-out agreement with the target (1 of 12 windows held out)" in capsys.readouterr().out
+
 
 def test_soft_targets_follow_the_labels_and_weigh_in_the_loss(multilingual, clips, tmp_path):
     engine = Engine(multilingual, device="cpu")
