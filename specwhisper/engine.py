@@ -8,9 +8,11 @@ decode loop itself, and the glossary of speculative decoding, are in runner.py.
 """
 from __future__ import annotations
 
+import atexit
 import random
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -72,6 +74,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopping = False  # set at interpreter exit: the loop thread returns (see _stop_loops)
+        _ENGINES.add(self)
         self.background = background
         self._driver = threading.Lock()  # background=False: one caller drives the loop at a time
         self.host_syncs = 0  # host reads of device state by the loop (one per iteration)
@@ -227,9 +231,11 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
     def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             with self._cond:
                 while not self.scheduler.has_work():
+                    if self._stopping:
+                        return
                     if not self._cond.wait(timeout=30.0):
                         if not self.scheduler.has_work():
                             self._thread = None  # idle: the next request starts a new loop
@@ -333,6 +339,26 @@ class Engine:
             floor = (batch.amax(dim=(1, 2), keepdim=True) - 2.0).clamp(min=-1.5)
             batch = torch.cat([batch, floor.expand(-1, batch.shape[1], N_FRAMES - frames)], dim=2)
         return batch
+
+
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loops() -> None:
+    """At interpreter exit, before daemon threads are frozen: let every engine's loop thread
+    finish its iteration and return. A loop thread still running during finalization (one waking
+    from its idle wait, say) would be killed while it frees tensors, which aborts the process
+    under some native runtimes (Ray's terminate handler)."""
+    engines = list(_ENGINES)
+    for engine in engines:
+        engine._stopping = True
+        with engine._cond:
+            engine._cond.notify_all()
+    for engine in engines:
+        thread = engine._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
 
 
 class StepClock:

@@ -120,3 +120,32 @@ def test_short_mel_is_padded_like_the_feature_extractor(multilingual):
     short = engine.transcribe(full[:, :frames], language="en", max_new_tokens=10)
     padded = engine.transcribe(full, language="en", max_new_tokens=10)
     assert short.tokens == padded.tokens
+
+
+def test_loop_threads_stop_at_interpreter_exit(multilingual):
+    """At exit the engine's loop thread returns instead of running on into finalization (where a
+    thread waking from its idle wait is killed while freeing tensors: an abort under Ray)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from specwhisper import engine as engine_module
+
+    e = Engine(multilingual)
+    e.transcribe(sample_paths()[0], language="en", max_new_tokens=4)
+    thread = e._thread
+    assert thread is not None and thread.is_alive()  # idle, waiting for work
+    engine_module._stop_loops()
+    assert not thread.is_alive()
+
+    script = textwrap.dedent(f"""
+        import time
+        from specwhisper import Engine
+        from specwhisper.samples import sample_paths
+        e = Engine({str(multilingual)!r})
+        e.transcribe(sample_paths()[0], language="en", max_new_tokens=4)
+        assert e._thread.is_alive()
+        print("ok", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
