@@ -294,6 +294,35 @@ float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
   return (a0 + a2) + (a1 + a3);
 }
 
+// The screen's bookkeeping, 8 tokens v..v+7 (all < V) of one row at a time, with the scalar
+// loops' operations in the same order (so the same bits). banned_mask: lanes whose token is banned.
+__attribute__((target("avx2,fma"))) inline __m256 banned_mask(const bool* bn) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bn)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, _mm256_setzero_si256()));
+}
+
+// Scales the approximate logits a[0..7] in place (a * s) and raises fl[0..7] to their lower
+// bounds a - (hn * c + tiny), banned tokens skipped; a NaN bound keeps fl, like std::max(fl, bound).
+__attribute__((target("avx2,fma"))) inline void screen8_floor(float* a, const float* s, const float* c, float hn,
+                                                              float tiny, const bool* bn, float* fl) {
+  const __m256 av = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(s));
+  _mm256_storeu_ps(a, av);
+  const __m256 b = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(hn), _mm256_loadu_ps(c)), _mm256_set1_ps(tiny));
+  __m256 lower = _mm256_sub_ps(av, b);
+  if (bn) lower = _mm256_blendv_ps(lower, _mm256_set1_ps(-INFINITY), banned_mask(bn));
+  _mm256_storeu_ps(fl, _mm256_max_ps(lower, _mm256_loadu_ps(fl)));
+}
+
+// Bit l set: token l is a candidate (upper bound a + (hn * c + tiny) >= floor, not banned).
+__attribute__((target("avx2,fma"))) inline int screen8_candidates(const float* a, const float* c, float hn,
+                                                                  float tiny, const bool* bn, float floor) {
+  const __m256 b = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(hn), _mm256_loadu_ps(c)), _mm256_set1_ps(tiny));
+  int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a), b), _mm256_set1_ps(floor), _CMP_GE_OQ));
+  if (bn) bits &= ~_mm256_movemask_ps(banned_mask(bn));
+  return bits;
+}
+
+
 at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& bound, const at::Tensor& weight, double tiny,
                            const c10::optional<at::Tensor>& banned) {
@@ -341,7 +370,9 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
   std::vector<float> floors(n_chunks * N, -INFINITY);
   at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> lanes(vec ? N * kQB : 0);  // per row: the chunk's best lower bound in 8 lanes
     for (int64_t c = c0; c < c1; ++c) {
+      std::fill(lanes.begin(), lanes.end(), -INFINITY);
       const int64_t b_end = std::min(blocks, (c + 1) * per_chunk);
       for (int64_t b = c * per_chunk; b < b_end; ++b) {
         const int8_t* blk = qp + b * kQB * K;
@@ -354,8 +385,14 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
         }
         for (int64_t r = 0; r < N; ++r) {
           const bool* bn = bp ? bp + r * banned_stride : nullptr;
+          const int64_t v0 = b * kQB;
+          if (vec && v0 + kQB <= V) {
+            screen8_floor(ap + r * ld + v0, sp + v0, cp + v0, hn[r], tiny_f, bn ? bn + v0 : nullptr,
+                          lanes.data() + r * kQB);
+            continue;
+          }
           float& fl = floors[c * N + r];
-          for (int64_t v = b * kQB; v < std::min(V, (b + 1) * kQB); ++v) {
+          for (int64_t v = v0; v < std::min(V, v0 + kQB); ++v) {
             const float a = ap[r * ld + v] * sp[v];
             ap[r * ld + v] = a;
             if (bn && bn[v]) continue;
@@ -363,6 +400,8 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
           }
         }
       }
+      for (int64_t r = 0; r < (vec ? N : 0); ++r)
+        for (int l = 0; l < kQB; ++l) floors[c * N + r] = std::max(floors[c * N + r], lanes[r * kQB + l]);
     }
   });
   int64_t* op = out.data_ptr<int64_t>();
@@ -376,12 +415,19 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
       const float* x = hp + r * K;
       int64_t best_id = -1;
       float best = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) {
+      auto consider = [&](int64_t v) {
+        const float exact = vec ? dot_avx2(x, wp + v * K, K) : dot_scalar(x, wp + v * K, K);
+        if (best_id < 0 || exact > best) best = exact, best_id = v;  // ascending ids: ties keep the lowest
+      };
+      int64_t v = 0;
+      if (vec)
+        for (; v + kQB <= V; v += kQB)
+          for (int bits = screen8_candidates(a + v, cp + v, hn[r], tiny_f, bn ? bn + v : nullptr, floor); bits;
+               bits &= bits - 1)
+            consider(v + __builtin_ctz(bits));
+      for (; v < V; ++v) {
         if (bn && bn[v]) continue;
-        if (a[v] + (hn[r] * cp[v] + tiny_f) >= floor) {
-          const float exact = vec ? dot_avx2(x, wp + v * K, K) : dot_scalar(x, wp + v * K, K);
-          if (best_id < 0 || exact > best) best = exact, best_id = v;  // ascending ids: ties keep the lowest
-        }
+        if (a[v] + (hn[r] * cp[v] + tiny_f) >= floor) consider(v);
       }
       op[r] = best_id < 0 ? 0 : best_id;  // every token banned: 0, like argmax over all -inf
     }

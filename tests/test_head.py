@@ -115,3 +115,26 @@ def test_subset_head_is_the_argmax_over_its_tokens():
         if b is not None:
             logits = logits.masked_fill(b[..., keep], -float("inf"))
         assert torch.equal(head.argmax(hidden, b), keep[logits.argmax(dim=-1)])
+
+
+@pytest.mark.parametrize("rows", range(1, 10))
+def test_extreme_int8_products_and_every_row_grouping(rows):
+    """Weights at the int8 extremes (q = ±127), integer logits with many exact ties, a
+    vocabulary that is not a multiple of the block, all-zero rows, and 1..9 rows (every grouping
+    of the C++ op's row tiles): the exact argmax, exact ties to the lowest id included."""
+    gen = torch.Generator().manual_seed(20 + rows)
+    V, K = 1003, 96
+    weight = torch.randint(0, 2, (V, K), generator=gen).float() * 2 - 1
+    weight[5] = 1.0
+    weight[6] = -1.0
+    weight[7] = 0.0
+    head = ScreenedHead(weight)
+    hidden = torch.randint(0, 2, (rows, K), generator=gen).float() * 2 - 1
+    hidden[0] = 1.0  # token 5 (and its exact duplicates, if any) wins with K
+    if rows > 2:
+        hidden[2] = 0.0  # every logit 0: token 0
+    if rows > 3:
+        hidden[3] = torch.randn(K, generator=gen) * 1e-3
+    expected = full_argmax(weight, hidden, torch.zeros(V, dtype=torch.bool))
+    assert torch.equal(head.argmax(hidden), expected)
+    assert expected[0] == 5
