@@ -8,6 +8,7 @@ speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfl
 
     python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
     python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
+    python bench/cpu.py --distilled ~/drafts/base-2l --k 2 3 --draft-head-tokens 8192   # + a pruned draft head
 
 Decode time per token = (median whole call − the system's median encoder time) / tokens, so a
 draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls.
@@ -192,6 +193,8 @@ def main() -> None:
     p.add_argument("--k", type=int, nargs="+", default=[4],
                    help="fixed num_draft_tokens values of the speculative runs (besides adaptive)")
     p.add_argument("--distilled", default=None, help="a shared-encoder draft folder (specwhisper distill)")
+    p.add_argument("--draft-head-tokens", type=int, default=None, metavar="N",
+                   help="also run the distilled draft with its output head pruned to N tokens (draft_head_tokens)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args()
@@ -259,10 +262,14 @@ def main() -> None:
                 return hf.model.encoder(mel[None])
 
         systems.append(("transformers generate", hf_run, hf_encode))
-    drafts = {"tiny.en": tiny, "self": base} | ({"distilled": args.distilled} if args.distilled else {})
+    drafts = {"tiny.en": (tiny, None), "self": (base, None)}
+    if args.distilled:
+        drafts["distilled"] = (args.distilled, None)
+        if args.draft_head_tokens:
+            drafts[f"distilled/head{args.draft_head_tokens}"] = (args.distilled, args.draft_head_tokens)
     spec_engines = {}
-    for name, folder in drafts.items():
-        e = spec_engines[name] = Engine(base, folder)
+    for name, (folder, head_tokens) in drafts.items():
+        e = spec_engines[name] = Engine(base, folder, draft_head_tokens=head_tokens)
         for k in (None, *args.k):
             systems.append((f"specwhisper + {name} (k={k or 'adaptive'})", ours(e, k), our_encoder(e)))
     bf16 = Engine(base, dtype=torch.bfloat16)

@@ -133,8 +133,9 @@ class DraftLength:
       adds arithmetic) are measured, and k in 1..8 maximizes E[tokens per pass] / (k·c + 1 + g·k)
       with E = (1 − α^(k+1)) / (1 − α);
     - *whether to draft at all*: the measured throughput (emitted tokens per second) of
-      speculative iterations, charged with the draft's per-utterance setup (its encoder and
-      cross K/V), is compared with that of plain target steps. One plain step every 16
+      speculative iterations, charged with the setup of a draft that runs its own encoder (an
+      encoder pass per window, paid when the window first drafts: windows decoded while
+      speculation is off never pay it), is compared with that of plain target steps. One plain step every 16
       speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
       probe keeps the speculative rate fresh, after 16 plain steps and then, while probes keep
       losing, after twice as many each time (a probe may pay the draft's whole setup). Until

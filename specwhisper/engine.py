@@ -261,6 +261,14 @@ class Engine:
         modes = runner.modes(B)
         k, rule = self._choose_k(B)
         proposals = None
+        if k > 0:
+            t0 = time.perf_counter()
+            if runner.start_drafts(B) and rule is not None and not self.drafter.shared_encoder:
+                # a draft's own encoder pass counts against speculation (a shared-encoder draft's
+                # setup, its cross K/V and prompt, is small next to what it saves in a window)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                rule.charge(time.perf_counter() - t0)
         clock = StepClock(self.device)
         if k > 0:
             proposals = runner.draft(B, k, modes)

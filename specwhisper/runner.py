@@ -111,7 +111,8 @@ class Runner:
             self.dcache = DecoderCache.allocate(d.draft.config, S, device, dtype,
                                                 torch.bfloat16 if compact else None)
             self.dtokens, self.dn, self.dcached = z(S, L), z(S), z(S)
-            self.draft_on = z(S, dtype=torch.bool)
+            self.draft_on = z(S, dtype=torch.bool)  # the row's draft has started (and may propose)
+            self.draft_pending = [None] * S  # (spec, features, draft mel) of rows whose draft starts later
             self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
             self.d2t = d.draft_to_target.to(device)
             self.noise_ids = d.noise_ids.to(device)
@@ -138,7 +139,11 @@ class Runner:
         for c in caches:
             for t in c.buffers():
                 t[:, dst] = t[:, src]
-        for host in (self.host_options, self.host_n, self.host_budget):
+        hosts = [self.host_options, self.host_n, self.host_budget]
+        if self.drafter is not None:
+            hosts.append(self.draft_pending)
+            self.draft_pending[src] = None
+        for host in hosts:
             host[dst] = host[src]
         self.host_options[src] = None
 
@@ -192,12 +197,26 @@ class Runner:
         first = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1, (spec.plain, not spec.plain, spec.timestamps))
         self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device))
         if self.drafter is not None:
-            self.draft_on[s] = spec.use_draft
+            # the draft starts at the row's first drafting iteration (`start_drafts`): while the
+            # adaptive k keeps speculation off, a draft with its own encoder costs nothing
+            self.draft_on[s] = False
             self.dn[s] = self.dcached[s] = 0
-            if spec.use_draft:
-                self.start_draft(s, spec, features, draft_mel)
+            self.draft_pending[s] = (spec, features, draft_mel) if spec.use_draft else None
 
+    def start_drafts(self, B: int) -> bool:
+        """Start the draft of every row among the first B whose draft is pending -> whether any
+        started."""
+        pending = [s for s in range(B) if self.draft_pending[s] is not None]
+        for s in pending:
+            self.start_draft(s, *self.draft_pending[s])
+            self.draft_pending[s] = None
+        return bool(pending)
+
+    @torch.inference_mode()
     def start_draft(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
+        """The draft's cross K/V (its own encoder pass unless it shares the target's), its prompt,
+        and every token the target has emitted so far, spelled in draft ids (left uncached: the
+        next draft call feeds them)."""
         d = self.drafter
         ddec = d.draft.model.decoder
         rows = self.cache_rows(self.dcache, s)
@@ -209,12 +228,15 @@ class Runner:
                     rows, kv_len=P)
         self.draft_passes[s] = 1
         self.dtokens[s, :P] = torch.tensor(dprompt, device=self.device)
-        self.dn[s], self.dcached[s] = P, P
-        # the first generated token, spelled in draft ids
-        first = self.tokens[s, self.n_tokens[s] - 1]
-        w = self.t2d_len[first]
-        self.dtokens[s, P:P + self.t2d.shape[1]] = self.t2d[first]
-        self.dn[s] = P + w
+        n = int(self.n_tokens[s])
+        at = P
+        for tok in self.tokens[s, int(self.prompt_len[s]):n].tolist():
+            self.dtokens[s, at:at + self.t2d.shape[1]] = self.t2d[tok]
+            at += int(self.t2d_len[tok])
+        self.dn[s], self.dcached[s] = at, P
+        self._host_dn_max = max(self._host_dn_max, at)  # the host's bound on draft lengths (kv_len)
+        self.draft_on[s] = True
+        self.draft_synced = False  # more than the catch-up width may be uncached
 
     # ---------------------------------------------------------------- choosing tokens
     def modes(self, B: int) -> tuple[bool, bool, bool]:
@@ -303,7 +325,7 @@ class Runner:
             if step + 1 < k:
                 pos = (dn + step)[:, None]
                 hidden = ddec.hidden(x[:, None], pos, self.dcache_view(B), kv_len=kv_len)
-        self.draft_passes[:B] += k
+        self.draft_passes[:B] += k * self.draft_on[:B].long()
         raw = torch.stack(raws, dim=1)  # [B, k] draft ids
         self.raw[:B, :k] = raw
         self.dcached[:B] = dn + k - 1
@@ -321,7 +343,7 @@ class Runner:
         values), and a row with nothing uncached re-feeds its last token, whose output predicts
         the next one."""
         dn, dc = self.dn[:B], self.dcached[:B]
-        start = torch.minimum(dc, dn - 1)
+        start = torch.minimum(dc, dn - 1).clamp(min=0)  # a row without a draft (dn = 0) re-feeds slot 0
         j = torch.arange(width, device=self.device)
         return start[:, None] + (j[None] - (width - (dn - start)[:, None])).clamp(min=0)
 
@@ -356,7 +378,7 @@ class Runner:
         src = self.uncached_positions(B, width)
         ddec.hidden(self.dtokens[:B].gather(1, src), src, self.dcache_view(B))
         self.dcached[:B] = torch.maximum(dn - 1, dc)
-        self.draft_passes[:B] += 1
+        self.draft_passes[:B] += self.draft_on[:B].long()  # rows whose draft runs
         self.draft_synced = True
 
     @torch.inference_mode()

@@ -129,6 +129,26 @@ def test_draft_stands_aside_for_what_it_cannot_do(multilingual, english):
         assert out.stats.draft_skipped and out.stats.drafted == 0 and out.stats.draft_passes == 0
 
 
+def test_a_row_without_draft_beside_drafting_rows(multilingual, english):
+    """One batch: a German row (the English-only draft stands aside) decoded beside English rows
+    that draft, admitted together and one after the other: every row gets its target-only
+    tokens, and only the English rows draft."""
+    torch.manual_seed(4)
+    mels = torch.randn(3, 80, 3000)
+    plain = Engine(multilingual)
+    langs = ["de", "en", "en"]
+    alone = [plain.transcribe(m, language=lang, max_new_tokens=20).tokens for m, lang in zip(mels, langs)]
+    engine = Engine(multilingual, english, background=False)
+    futures = [engine.submit(m, language=lang, max_new_tokens=20, num_draft_tokens=3) for m, lang in zip(mels, langs)]
+    engine.step()  # all three admitted together
+    late = engine.submit(mels[1], language="en", max_new_tokens=20, num_draft_tokens=2)  # joins mid-run
+    engine.run_until(futures + [late])
+    outs = [f.result() for f in futures + [late]]
+    assert [o.tokens for o in outs] == alone + [alone[1]]
+    assert outs[0].stats.draft_skipped and outs[0].stats.draft_passes == 0
+    assert all(o.stats.draft_passes > 0 and o.stats.draft_skipped is None for o in outs[1:])
+
+
 def test_static_shapes_equal_trimmed(target, noisy, mels, alone):
     """Attention over the whole 449-slot cache with a mask == attention trimmed to the longest row."""
     engine = Engine(target, noisy, max_batch=4, background=False)

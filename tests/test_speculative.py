@@ -160,6 +160,28 @@ def test_adaptive_k_is_exact_and_backs_off(kind, target, drafts, mels, reference
         assert out[0].stats.drafted <= 2 * 4
 
 
+def test_draft_starts_only_when_speculation_runs(target, drafts, mels, reference):
+    """A draft is set up (its encoder, cross K/V, prompt) at its row's first drafting iteration:
+    while the adaptive k keeps speculation off, a row never pays for it; once drafting starts
+    mid-window, the draft catches up on every token emitted so far (a self draft: all accepted)."""
+    engine = Engine(target, drafts["self"], background=False)
+    rule = engine.drafter.length
+    rule.k, rule.update = 0, lambda *a, **kw: None  # speculation off
+    off = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+    assert off.tokens == reference[0]
+    assert off.stats.draft_passes == 0 and off.stats.drafted == 0
+    calls = []
+
+    def later(k, *a, **kw):  # off for 5 iterations, then k = 2
+        calls.append(k)
+        rule.k = 2 if len(calls) >= 5 else 0
+
+    rule.update = later
+    on = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+    assert on.tokens == reference[0]
+    assert on.stats.drafted > 0 and on.stats.accepted == on.stats.drafted
+
+
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
