@@ -13,6 +13,8 @@ speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfl
 Decode time per token = (median whole call − the system's median encoder time) / tokens, so a
 draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls.
 All systems are timed interleaved (each repeat runs every system on every window in turn).
+CTranslate2 runs in a worker process (bench/ct2_worker.py): its OpenMP runtime and PyTorch's in
+one process contend for the cores and slowed both by ≈ 40% on 2 cores.
 
 Writes <out>/cpu.json (everything), cpu.md (the tables) and cpu.png. Windows are ≈ 25 s of flite
 speech (several voices per window), synthesized into a temporary folder. Step timings are medians
@@ -25,6 +27,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,6 +89,43 @@ def synthesize_windows(n: int, folder: Path) -> list[tuple[np.ndarray, str]]:
             s += 1
         windows.append((np.concatenate(parts), " ".join(texts)))
     return windows
+
+
+def cpu_model() -> str:
+    """The CPU's model name and vector extensions that matter here (sessions get different machines)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    ext = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{name}, {' '.join(ext)}"
+
+
+class CT2Worker:
+    """CTranslate2 in a subprocess (bench/ct2_worker.py): its OpenMP runtime must not share this
+    process's cores with PyTorch's."""
+
+    def __init__(self, folder, mels, threads: int, prompt: list[int], tmp: Path):
+        path = tmp / "mels.npy"
+        np.save(path, np.stack([m.numpy() for m in mels]))
+        worker = Path(__file__).with_name("ct2_worker.py")
+        self.proc = subprocess.Popen([sys.executable, str(worker), str(folder), str(path), str(threads),
+                                      json.dumps(prompt)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if not json.loads(self.proc.stdout.readline() or "{}").get("ready"):
+            raise RuntimeError("the CTranslate2 worker did not start (see its error above)")
+
+    def call(self, op: str, mels, mel):
+        index = next(i for i, m in enumerate(mels) if m is mel)
+        self.proc.stdin.write(json.dumps({"op": op, "mel": index}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline()).get("tokens")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def timed(fn, repeats: int) -> float:
@@ -203,11 +243,11 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     base, tiny = fetch("base"), fetch("tiny.en")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        windows = synthesize_windows(args.windows, Path(tmp))
+    tmp_dir = tempfile.TemporaryDirectory()
+    windows = synthesize_windows(args.windows, Path(tmp_dir.name))
     mels = [log_mel_spectrogram(a) for a, _ in windows]
     texts = [t for _, t in windows]
-    result = dict(machine=platform.processor() or platform.machine(), threads=args.threads,
+    result = dict(machine=cpu_model(), threads=args.threads,
                   torch=torch.__version__, decode_ops=cpu_ops.available(),
                   window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)
 
@@ -231,22 +271,23 @@ def main() -> None:
     del draft_engine
     result["profile"] = profile_step(engine, mels[0])
 
-    def ours(e, k=None):
-        return lambda mel: e.transcribe(mel, language="en", num_draft_tokens=k).tokens
+    seen = {}  # system name -> the stats of its calls (acceptance over the timed runs themselves)
+
+    def ours(e, k=None, name=None):
+        def run(mel):
+            out = e.transcribe(mel, language="en", num_draft_tokens=k)
+            seen.setdefault(name, []).append(out.stats)
+            return out.tokens
+        return run
 
     def our_encoder(e):
         return lambda mel: e.target.model.encoder(mel[None].to(e.dtype))
 
-    import ctranslate2
-
-    ct = ctranslate2.models.Whisper(str(ct2_dir("base")), device="cpu", compute_type="float32",
-                                    intra_threads=args.threads)
     prompt = engine.target.tokenizer.prompt("en", "transcribe")
-    view = lambda mel: ctranslate2.StorageView.from_array(np.ascontiguousarray(mel[None].numpy()))  # noqa: E731
+    ct2 = CT2Worker(ct2_dir("base"), mels, args.threads, prompt, Path(tmp_dir.name))
     systems = [("specwhisper target-only", ours(engine), our_encoder(engine)),
-               ("CTranslate2 float32", lambda mel: list(ct.generate(view(mel), [prompt], beam_size=1)[0]
-                                                         .sequences_ids[0]),
-                lambda mel: ct.encode(view(mel), to_cpu=True))]
+               ("CTranslate2 float32", lambda mel: ct2.call("generate", mels, mel),
+                lambda mel: ct2.call("encode", mels, mel))]
     if not args.no_hf:
         from transformers import WhisperForConditionalGeneration
 
@@ -271,16 +312,17 @@ def main() -> None:
     for name, (folder, head_tokens) in drafts.items():
         e = spec_engines[name] = Engine(base, folder, draft_head_tokens=head_tokens)
         for k in (None, *args.k):
-            systems.append((f"specwhisper + {name} (k={k or 'adaptive'})", ours(e, k), our_encoder(e)))
+            label = f"specwhisper + {name} (k={k or 'adaptive'})"
+            systems.append((label, ours(e, k, label), our_encoder(e)))
     bf16 = Engine(base, dtype=torch.bfloat16)
     systems.append(("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16)))
     runs = end_to_end(systems, mels, args.repeats)
+    ct2.close()
     for r in runs:
-        for name, e in spec_engines.items():
-            if r["name"].startswith(f"specwhisper + {name} "):
-                k = None if "adaptive" in r["name"] else int(r["name"].rsplit("k=", 1)[1].rstrip(")"))
-                stats = [e.transcribe(m, language="en", num_draft_tokens=k).stats for m in mels]
-                r["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
+        if r["name"] in seen:
+            stats = seen[r["name"]]
+            r["drafted"] = sum(s.drafted for s in stats)
+            r["acceptance"] = sum(s.accepted for s in stats) / max(1, r["drafted"])
     ref_tokens = runs[0]["tokens"]
     decode = lambda toks: [engine.target.tokenizer.decode(t) for t in toks]  # noqa: E731
     for r in runs:
@@ -296,6 +338,7 @@ def main() -> None:
     (out_dir / "cpu.md").write_text(md)
     plot(result, out_dir / "cpu.png")
     print(md)
+    tmp_dir.cleanup()
 
 
 def markdown(r: dict) -> str:
@@ -326,7 +369,7 @@ def markdown(r: dict) -> str:
               "| acceptance | tokens = target-only | WER |",
               "|---|---|---|---|---|---|---|---|---|"]
     for x in r["runs"]:
-        acc = f"{x['acceptance']:.2f}" if "acceptance" in x else ""
+        acc = "" if "acceptance" not in x else f"{x['acceptance']:.2f}" if x["drafted"] else "off"
         lines.append(f"| {x['name']} | {x['tokens_per_s']:.1f} | {x['ms_per_token']:.1f} | "
                      f"{x['speedup_vs_target_only']:.2f}× | {ct2['ms_per_token'] / x['ms_per_token']:.2f}× | "
                      f"{x['call_speedup_vs_ct2']:.2f}× | {acc} | "

@@ -1,6 +1,9 @@
 """The engine facade: `transcribe` (blocking) and `submit` (a Future), one decode loop for all.
 
-Every request goes to one background loop thread, which runs iterations of the running batch:
+Every request joins one running batch, whose iterations one thread at a time runs: the caller of
+`transcribe` when no other thread is decoding (one thread, one OpenMP pool), else the thread
+decoding already (a caller, or the engine's loop thread, which `submit` starts and which takes
+over what callers leave):
 `scheduler.schedule()` (admit waiting windows into free slots) -> `runner.draft(k)` ->
 `runner.verify_accept_commit(k)` -> one small host read -> `scheduler.postprocess(...)`
 (finished windows leave). Concurrent callers are decoded together, not one after another. The
@@ -49,8 +52,10 @@ class Engine:
         on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
         (the target's own weights, kept exact);
         `max_batch`: windows decoded together (memory: one KV-cache slot each); `background`:
-        decode in a loop thread (False: the calling thread of `transcribe` runs the iterations,
-        and `step()` runs one; for single-threaded hosts and deterministic tests)."""
+        True: a caller of `transcribe` decodes in its own thread when no other thread is decoding,
+        and a loop thread serves `submit` and whatever callers leave; False: no thread is ever
+        started (the calling thread of `transcribe` runs the iterations, `step()` runs one; for
+        single-threaded hosts and deterministic tests)."""
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
@@ -77,7 +82,7 @@ class Engine:
         self._stopping = False  # set at interpreter exit: the loop thread returns (see _stop_loops)
         _ENGINES.add(self)
         self.background = background
-        self._driver = threading.Lock()  # background=False: one caller drives the loop at a time
+        self._driver = threading.Lock()  # held by the one thread running iterations (caller or loop)
         self.host_syncs = 0  # host reads of device state by the loop (one per iteration)
         self.iterations = 0
         self.peak_batch = 0  # the most windows decoded together so far
@@ -112,8 +117,7 @@ class Engine:
             single = False
         else:
             single, futures = self._submit(x, **kwargs)
-        if not self.background:
-            self.run_until(futures)
+        self._wait(futures)
         results = [f.result() for f in futures]
         return results[0] if single else results
 
@@ -127,7 +131,7 @@ class Engine:
         `transcribe`). Requests submitted concurrently are decoded together; `future.cancel()`
         frees a request's slot. `progress(seek, frames)` follows a long-form request's windows;
         `on_segment(segment)` receives each segment as soon as its window is kept (long-form; both
-        are called from the engine's loop thread and must be quick)."""
+        are called from the thread running the engine's iterations and must be quick)."""
         single, futures = self._submit(x, language=language, task=task, temperature=temperature, top_p=top_p,
                                        num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
                                        seed=seed, initial_prompt=initial_prompt,
@@ -135,6 +139,9 @@ class Engine:
                                        timestamps=timestamps, progress=progress, on_segment=on_segment)
         if not single:
             raise ValueError("submit takes one input; submit each row of a batch separately")
+        if self.background:
+            with self._cond:
+                self._start_loop()
         return futures[0]
 
     def transcribe_long(self, audio, options, seed: int | None = None, progress=None) -> Transcription:
@@ -144,8 +151,7 @@ class Engine:
         if not single:
             raise ValueError("transcribe_long takes one recording")
         future = self._enqueue(self._longform_job(mel, options, seed, None, progress))
-        if not self.background:
-            self.run_until([future])
+        self._wait([future])
         return future.result()
 
     def run_until(self, futures) -> None:
@@ -158,6 +164,41 @@ class Engine:
                 except BaseException as exc:
                     with self._cond:
                         self.scheduler.fail_all(exc)
+
+    def _wait(self, futures) -> None:
+        """Return when `futures` are done. background=False: this thread runs the iterations.
+        Otherwise this thread runs them itself when no loop thread is running and no other
+        caller is driving (a single caller then decodes in its own thread: a second thread doing
+        the work brings a second OpenMP pool, and two pools on a small CPU made every step ≈ 35%
+        slower on 2 cores), and hands what is left of other callers' work to a loop thread when
+        its own is done; else the thread that is driving decodes this request too."""
+        if not self.background:
+            self.run_until(futures)
+            return
+        with self._cond:
+            looping = self._thread is not None and self._thread.is_alive()
+        if looping or not self._driver.acquire(blocking=False):
+            return  # the loop thread, or the caller driving now, decodes these requests too
+        try:
+            while not all(f.done() for f in futures) and not self._stopping:
+                try:
+                    with torch.inference_mode():
+                        self.step()
+                except BaseException as exc:
+                    with self._cond:
+                        self.scheduler.fail_all(exc)
+        finally:
+            self._driver.release()
+            with self._cond:
+                if self.scheduler.has_work():
+                    self._start_loop()
+
+    def _start_loop(self) -> None:
+        """Start the loop thread unless it runs (call with self._cond held)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="specwhisper-engine", daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     # ---------------------------------------------------------------- requests
     def _submit(self, x, language=None, task="transcribe", temperature=None, top_p=1.0, num_draft_tokens=None,
@@ -223,10 +264,8 @@ class Engine:
         future = RequestFuture()
         with self._cond:
             self.scheduler.add(Request(job, future))
-            if self.background and (self._thread is None or not self._thread.is_alive()):
-                self._thread = threading.Thread(target=self._loop, name="specwhisper-engine", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            if self.background and self._thread is not None and self._thread.is_alive():
+                self._cond.notify()  # the running loop takes it
         return future
 
     # ---------------------------------------------------------------- the loop
@@ -241,7 +280,7 @@ class Engine:
                             self._thread = None  # idle: the next request starts a new loop
                             return
             try:
-                with torch.inference_mode():
+                with self._driver, torch.inference_mode():  # never beside a caller that drives
                     self.step()
             except BaseException as exc:  # a failed iteration fails its requests, not the engine
                 with self._cond:

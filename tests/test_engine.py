@@ -122,6 +122,28 @@ def test_short_mel_is_padded_like_the_feature_extractor(multilingual):
     assert short.tokens == padded.tokens
 
 
+def test_a_lone_caller_decodes_in_its_own_thread(multilingual):
+    """transcribe with no other thread decoding runs the iterations in the caller (no loop thread
+    starts); submit starts the loop thread, and a caller arriving while it runs hands its request
+    to it; both get the same tokens."""
+    import threading
+
+    e = Engine(multilingual)
+    seen = []
+    step = e.step
+    e.step = lambda: (seen.append(threading.current_thread()), step())[1]
+    a = e.transcribe(sample_paths()[0], language="en", max_new_tokens=6)
+    assert e._thread is None and set(seen) == {threading.current_thread()}
+    seen.clear()
+    b = e.submit(sample_paths()[0], language="en", max_new_tokens=6).result()
+    loop = e._thread
+    assert loop is not None and loop.is_alive() and set(seen) == {loop}
+    seen.clear()
+    c = e.transcribe(sample_paths()[0], language="en", max_new_tokens=6)
+    assert set(seen) == {loop}
+    assert a.tokens == b.tokens == c.tokens
+
+
 def test_loop_threads_stop_at_interpreter_exit(multilingual):
     """At exit the engine's loop thread returns instead of running on into finalization (where a
     thread waking from its idle wait is killed while freeing tensors: an abort under Ray)."""
@@ -132,7 +154,7 @@ def test_loop_threads_stop_at_interpreter_exit(multilingual):
     from specwhisper import engine as engine_module
 
     e = Engine(multilingual)
-    e.transcribe(sample_paths()[0], language="en", max_new_tokens=4)
+    e.submit(sample_paths()[0], language="en", max_new_tokens=4).result()  # submit starts the loop thread
     thread = e._thread
     assert thread is not None and thread.is_alive()  # idle, waiting for work
     engine_module._stop_loops()
@@ -143,7 +165,7 @@ def test_loop_threads_stop_at_interpreter_exit(multilingual):
         from specwhisper import Engine
         from specwhisper.samples import sample_paths
         e = Engine({str(multilingual)!r})
-        e.transcribe(sample_paths()[0], language="en", max_new_tokens=4)
+        e.submit(sample_paths()[0], language="en", max_new_tokens=4).result()
         assert e._thread.is_alive()
         print("ok", flush=True)
     """)
