@@ -190,7 +190,7 @@ class Engine:
         finally:
             self._driver.release()
             with self._cond:
-                if self.scheduler.has_work():
+                if self.scheduler.has_work() and not self._stopping:
                     self._start_loop()
 
     def _start_loop(self) -> None:
