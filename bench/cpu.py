@@ -109,6 +109,7 @@ class CT2Worker:
     process's cores with PyTorch's."""
 
     def __init__(self, folder, mels, threads: int, prompt: list[int], tmp: Path):
+        self.mels = mels
         path = tmp / "mels.npy"
         np.save(path, np.stack([m.numpy() for m in mels]))
         worker = Path(__file__).with_name("ct2_worker.py")
@@ -117,8 +118,8 @@ class CT2Worker:
         if not json.loads(self.proc.stdout.readline() or "{}").get("ready"):
             raise RuntimeError("the CTranslate2 worker did not start (see its error above)")
 
-    def call(self, op: str, mels, mel):
-        index = next(i for i, m in enumerate(mels) if m is mel)
+    def call(self, op: str, mel):
+        index = next(i for i, m in enumerate(self.mels) if m is mel)
         self.proc.stdin.write(json.dumps({"op": op, "mel": index}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline()).get("tokens")
@@ -276,7 +277,8 @@ def main() -> None:
     def ours(e, k=None, name=None):
         def run(mel):
             out = e.transcribe(mel, language="en", num_draft_tokens=k)
-            seen.setdefault(name, []).append(out.stats)
+            if name is not None:
+                seen.setdefault(name, []).append(out.stats)
             return out.tokens
         return run
 
@@ -286,8 +288,8 @@ def main() -> None:
     prompt = engine.target.tokenizer.prompt("en", "transcribe")
     ct2 = CT2Worker(ct2_dir("base"), mels, args.threads, prompt, Path(tmp_dir.name))
     systems = [("specwhisper target-only", ours(engine), our_encoder(engine)),
-               ("CTranslate2 float32", lambda mel: ct2.call("generate", mels, mel),
-                lambda mel: ct2.call("encode", mels, mel))]
+               ("CTranslate2 float32", lambda mel: ct2.call("generate", mel),
+                lambda mel: ct2.call("encode", mel))]
     if not args.no_hf:
         from transformers import WhisperForConditionalGeneration
 
@@ -308,9 +310,8 @@ def main() -> None:
         drafts["distilled"] = (args.distilled, None)
         if args.draft_head_tokens:
             drafts[f"distilled/head{args.draft_head_tokens}"] = (args.distilled, args.draft_head_tokens)
-    spec_engines = {}
     for name, (folder, head_tokens) in drafts.items():
-        e = spec_engines[name] = Engine(base, folder, draft_head_tokens=head_tokens)
+        e = Engine(base, folder, draft_head_tokens=head_tokens)
         for k in (None, *args.k):
             label = f"specwhisper + {name} (k={k or 'adaptive'})"
             systems.append((label, ours(e, k, label), our_encoder(e)))

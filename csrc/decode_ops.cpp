@@ -322,7 +322,6 @@ __attribute__((target("avx2,fma"))) inline int screen8_candidates(const float* a
   return bits;
 }
 
-
 at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& bound, const at::Tensor& weight, double tiny,
                            const c10::optional<at::Tensor>& banned) {

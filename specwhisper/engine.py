@@ -157,13 +157,18 @@ class Engine:
     def run_until(self, futures) -> None:
         """background=False: run iterations in this thread until every future is done."""
         with self._driver:
-            while not all(f.done() for f in futures):
-                try:
-                    with torch.inference_mode():
-                        self.step()
-                except BaseException as exc:
-                    with self._cond:
-                        self.scheduler.fail_all(exc)
+            self._drive(futures)
+
+    def _drive(self, futures) -> None:
+        """Run iterations in this thread (holding the driver lock) until `futures` are done or the
+        interpreter exits; a failed iteration fails its requests, not the engine."""
+        while not all(f.done() for f in futures) and not self._stopping:
+            try:
+                with torch.inference_mode():
+                    self.step()
+            except BaseException as exc:
+                with self._cond:
+                    self.scheduler.fail_all(exc)
 
     def _wait(self, futures) -> None:
         """Return when `futures` are done. background=False: this thread runs the iterations.
@@ -180,13 +185,7 @@ class Engine:
         if looping or not self._driver.acquire(blocking=False):
             return  # the loop thread, or the caller driving now, decodes these requests too
         try:
-            while not all(f.done() for f in futures) and not self._stopping:
-                try:
-                    with torch.inference_mode():
-                        self.step()
-                except BaseException as exc:
-                    with self._cond:
-                        self.scheduler.fail_all(exc)
+            self._drive(futures)
         finally:
             self._driver.release()
             with self._cond:
