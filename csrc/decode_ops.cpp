@@ -14,7 +14,9 @@
 // bfloat16 outputs are rounded to nearest even once, at the end).
 //
 // Vector code needs AVX2 + FMA (checked at run time; a scalar path with the same operation order
-// serves other CPUs, so results are identical either way).
+// serves other CPUs, so results are identical either way). The int8 screen of the output head
+// also has an AVX-512 form: its approximate logits may be summed in any order (head.py's bound
+// covers it), and the exact recheck keeps linear_rows' order, so the argmax is the same.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -37,10 +39,16 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kNR = 4;  // weight rows per tile (independent FMA chains)
 constexpr int64_t kMR = 3;  // input rows per tile (accumulators: kNR * kMR <= 12 ymm registers)
 
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
+// Vector level: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (F, DQ) for the int8 screen. The detected
+// level can be lowered (`set_vector_level`) so tests compare every path on one machine.
+int detected_level() {
+  static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 0
+                           : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) ? 2 : 1;
+  return level;
 }
+int g_level_limit = 2;
+int vector_level() { return std::min(detected_level(), g_level_limit); }
+bool has_avx2() { return vector_level() >= 1; }
 
 // ------------------------------------------------------------------ scalar twins
 // The scalar path reproduces the vector path's operation order exactly: 8 lane accumulators,
@@ -236,6 +244,7 @@ at::Tensor gather_dot(const at::Tensor& x, const at::Tensor& weight, const at::T
 // their exact float32 logits (linear_rows' arithmetic) decide, ties to the lowest id.
 // banned: bool [V] or [N, V]. Any number of candidates.
 constexpr int64_t kQB = 8;  // vocabulary rows per int8 block
+bool wide_single_row = true;  // AVX-512 screen for one row too (else AVX2: measured per machine)
 
 // out[m, j] for rows m of x (MR of them, row stride K) and rows j0..j0+NJ-1 of one int8 block. MR * NJ accumulators stay in
 // registers (16 ymm in AVX2). PF: prefetch the next int8 block.
@@ -284,6 +293,55 @@ __attribute__((target("avx2,fma"))) void q8_rows(const float* x, int64_t M, int6
     q8_block<2, 4, int8_t>(x + m * K, K, blk, 4, out + m * ldo, ldo);
   }
   if (M - m == 1) q8_block<1, 8, int8_t>(x + m * K, K, blk, 0, out + m * ldo, ldo);
+}
+
+// The same screen products with AVX-512: one zmm holds two vocabulary rows of a block (lanes
+// 0-7 row j, 8-15 row j+1) against the input's 8 features broadcast to both halves, so each
+// int8 load and widening serves 16 products (the approximate logits may be summed in any order:
+// head.py's bound covers it). MR input rows at a time (4 row pairs x MR accumulators).
+template <int MR, bool PF = false>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_block512(const float* x, int64_t K, const int8_t* blk,
+                                                                     float* out, int64_t ldo,
+                                                                     const int8_t* next = nullptr) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const int8_t* p = blk + k * kQB;
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);
+    __m512 xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * K + k));
+    for (int j = 0; j < 4; ++j) {
+      const __m512 wv =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j))));
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      out[i * ldo + 2 * j] = hsum8(_mm512_castps512_ps256(acc[i][j]));
+      out[i * ldo + 2 * j + 1] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1)));
+    }
+}
+
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_rows512(const float* x, int64_t M, int64_t K,
+                                                                    const int8_t* blk, const int8_t* next,
+                                                                    float* out, int64_t ldo) {
+  int64_t m = 0;
+  switch (std::min<int64_t>(M, 4)) {  // the first group prefetches the next block
+    case 1: q8_block512<1, true>(x, K, blk, out, ldo, next); break;
+    case 2: q8_block512<2, true>(x, K, blk, out, ldo, next); break;
+    case 3: q8_block512<3, true>(x, K, blk, out, ldo, next); break;
+    default: q8_block512<4, true>(x, K, blk, out, ldo, next); break;
+  }
+  m = std::min<int64_t>(M, 4);
+  for (; m + 4 <= M; m += 4) q8_block512<4>(x + m * K, K, blk, out + m * ldo, ldo);
+  switch (M - m) {
+    case 3: q8_block512<3>(x + m * K, K, blk, out + m * ldo, ldo); break;
+    case 2: q8_block512<2>(x + m * K, K, blk, out + m * ldo, ldo); break;
+    case 1: q8_block512<1>(x + m * K, K, blk, out + m * ldo, ldo); break;
+    default: break;
+  }
 }
 
 float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
@@ -360,6 +418,7 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   float* ap = approx.data_ptr<float>();
   const int64_t ld = blocks * kQB;
   const bool vec = has_avx2();
+  const bool wide = vector_level() >= 2 && (N > 1 || wide_single_row);
   const float tiny_f = static_cast<float>(tiny);
   // pass 1 (parallel over vocabulary blocks): approximate logits, and each chunk's best lower
   // bound per row
@@ -376,7 +435,9 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
       for (int64_t b = c * per_chunk; b < b_end; ++b) {
         const int8_t* blk = qp + b * kQB * K;
         float* o = ap + b * kQB;
-        if (vec) {
+        if (wide) {
+          q8_rows512(hp, N, K, blk, b + 1 < blocks ? blk + kQB * K : blk, o, ld);
+        } else if (vec) {
           q8_rows(hp, N, K, blk, b + 1 < blocks ? blk + kQB * K : blk, o, ld);
         } else {
           for (int64_t m = 0; m < N; ++m)
@@ -725,6 +786,13 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
 
 // How many threads at::parallel_for really uses in this extension (a build without OpenMP
 // silently runs every op on one thread; tests check this equals torch.get_num_threads()).
+// Lower (or restore) the vector level the ops use -> the previous limit (tests: every path).
+int64_t set_vector_level(int64_t level) {
+  const int64_t before = g_level_limit;
+  g_level_limit = static_cast<int>(level);
+  return before;
+}
+
 int64_t parallel_threads() {
   std::vector<int64_t> seen(std::max<int64_t>(1, at::get_num_threads()), 0);
   at::parallel_for(0, 1 << 12, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
@@ -737,6 +805,7 @@ int64_t parallel_threads() {
 
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
+  m.def("set_vector_level(int level) -> int");
   m.def("decoder_layers(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, Tensor write_pos, Tensor n_self, Tensor n_cross, int n_heads, float eps) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
@@ -754,6 +823,8 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("decoder_layers", &decoder_layers);
 }
 
-TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads); }
+TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);
+  m.impl("set_vector_level", &set_vector_level);
+}
 
 }  // namespace specwhisper_decode

@@ -115,6 +115,17 @@ def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_sel
                                  n_heads, eps)
 
 
+@contextlib.contextmanager
+def vector_level(level: int):
+    """Run the C++ ops at most at vector `level` inside this block (0 scalar, 1 AVX2, 2 AVX-512;
+    a level the CPU lacks falls back to the best it has): tests compare every path."""
+    before = _ops().set_vector_level(level)
+    try:
+        yield
+    finally:
+        _ops().set_vector_level(before)
+
+
 def kv_write(k_cache, v_cache, k, v, pos):
     if active(k):
         return _ops().kv_write(k_cache, v_cache, k, v, pos)

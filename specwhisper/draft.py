@@ -31,6 +31,11 @@ class Drafter:
                              "mel front end")
         self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
         self.head = draft.head
+        if same_head(draft, target):
+            # a draft whose output head is the target's (a distilled draft reuses the target's
+            # embedding; a self draft is the target): one int8 copy serves both, so the bytes a
+            # draft step reads are the ones the verify pass just read (in cache), and vice versa
+            self.head = target.head
         if head_tokens is not None:
             self.head = SubsetHead(draft.model.decoder.embed_tokens.weight, self.head_ids(head_tokens))
         self.draft_to_target, self.target_to_draft, self.target_to_draft_len = self._tables()
@@ -112,6 +117,14 @@ def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> to
         return head.argmax(hidden.reshape(B * T, d), flat_banned).view(B, T)
     logits = model.model.decoder.logits(hidden).float().reshape(B * T, -1).masked_fill_(flat_banned, -float("inf"))
     return logits.argmax(-1).view(B, T)
+
+
+def same_head(a, b) -> bool:
+    """Whether loaded models a and b have the same screened output head (equal embeddings)."""
+    if a.head is None or b.head is None:
+        return False
+    wa, wb = a.model.decoder.embed_tokens.weight, b.model.decoder.embed_tokens.weight
+    return wa.shape == wb.shape and wa.dtype == wb.dtype and bool(torch.equal(wa, wb))
 
 
 def shares_encoder(a, b) -> bool:

@@ -16,16 +16,18 @@ def inference():
 
 
 
-@pytest.fixture(params=["ops", "reference"], autouse=True)
+@pytest.fixture(params=["avx512", "avx2", "scalar", "reference"], autouse=True)
 def path(request):
-    """Every test runs through the C++ op (when built) and through the PyTorch reference."""
-    if request.param == "ops" and cpu_ops._ops() is None:
+    """Every test runs through the C++ op (when built) at each vector level (a level the CPU
+    lacks runs the best it has) and through the PyTorch reference."""
+    if request.param != "reference" and cpu_ops._ops() is None:
         pytest.skip("C++ decode ops unavailable")
     if request.param == "reference":
         with cpu_ops.reference():
             yield request.param
     else:
-        yield request.param
+        with cpu_ops.vector_level({"avx512": 2, "avx2": 1, "scalar": 0}[request.param]):
+            yield request.param
 
 
 def full_argmax(weight, hidden, banned):

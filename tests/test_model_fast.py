@@ -65,6 +65,31 @@ def test_ops_run_on_every_thread_with_thread_independent_bits():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_every_vector_level_gives_the_same_bits(wdtype):
+    """The scalar, AVX2 and AVX-512 forms of the ops compute the same operations in the same
+    order (the determinism contract of csrc/decode_ops.cpp): equal bits, whichever path a CPU
+    takes. A level the CPU lacks runs the best it has."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(1003, 96, generator=gen).to(wdtype)
+    bias = torch.randn(1003, generator=gen)
+    x = torch.randn(7, 96, generator=gen)
+    q = torch.randn(2, 3, 4, 64, generator=gen)
+    kc, vc = (torch.randn(2, 4, 300, 64, generator=gen).to(wdtype) for _ in range(2))
+    n_keys = torch.tensor([[300, 17, 1], [5, 299, 64]])
+    ids = torch.randint(0, 1003, (7, 5), generator=gen)
+    results = []
+    for level in (2, 1, 0):
+        with cpu_ops.vector_level(level):
+            out = [cpu_ops.linear(x, weight, bias), cpu_ops.attention(q, kc, vc, n_keys, 0.125)]
+            if wdtype == torch.float32:
+                out.append(cpu_ops.gather_dot(x, weight, ids))
+            results.append(out)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 def test_gather_dot_equals_linear_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 77, generator=gen)

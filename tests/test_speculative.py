@@ -106,6 +106,18 @@ def test_shared_encoder_is_detected_and_run_once(target, drafts):
         Engine(target, drafts["wrong"], shared_encoder=True)
 
 
+def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, drafts, mels, reference):
+    """A draft whose output head equals the target's (distilled drafts reuse the target's
+    embedding) greedy-picks through the target's screened head: one int8 copy in cache for both,
+    and the output stays exact. Another embedding keeps its own head."""
+    engine = Engine(target, drafts["noisy"])
+    assert engine.drafter.head is engine.target.head
+    out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    assert [o.tokens for o in out] == reference[:2]
+    other = Engine(target, drafts["shared"])
+    assert other.drafter.head is other.drafter.draft.head is not None
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_max_new_tokens_cut_inside_a_run(k, target, mels, reference):
     engine = Engine(target, target)
