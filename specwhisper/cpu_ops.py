@@ -133,6 +133,16 @@ def kv_write(k_cache, v_cache, k, v, pos):
 
 
 @functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX) that torch's GEMMs use: a
+    draft's encoder and cross K/V then run in bfloat16 (about 3-4x faster than float32 here)."""
+    if os.environ.get("SPECWHISPER_NO_BF16", "") not in ("", "0"):
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+@functools.cache
 def _ops():
     """torch.ops.specwhisper_decode, built on first use; None if disabled or if the build fails."""
     if os.environ.get("SPECWHISPER_NO_EXT", "") not in ("", "0"):

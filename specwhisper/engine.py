@@ -75,6 +75,8 @@ class Engine:
             if compact_draft:
                 draft_model.model.compact_decoder()
             self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
+            if compact_draft and not self.drafter.shared_encoder and cpu_ops.native_bf16():
+                draft_model.model.compact_encoder()  # its own encoder pass: the largest part of its cost
         self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
         self._cond = threading.Condition()

@@ -314,7 +314,13 @@ class Runner:
         if not self.draft_synced:
             self.catch_up(B)
         dn = self.dn[:B]
-        src = self.uncached_positions(B, self.catchup)  # [B, width]
+        width = self.catchup
+        if self.device.type == "cpu":
+            # the widest row's uncached tokens (a host read costs nothing here): a draft with
+            # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
+            # drafting base), almost always 1 or 2 tokens are uncached
+            width = max(1, int((dn - torch.minimum(self.dcached[:B], dn - 1).clamp(min=0)).max()))
+        src = self.uncached_positions(B, width)  # [B, width]
         feed = self.dtokens[:B].gather(1, src)
         kv_len = min(int(self._host_dn_max) + k + 1, self.max_pos + 1) if self.trim else None
         hidden = ddec.hidden(feed, src, self.dcache_view(B), kv_len=kv_len)[:, -1:]

@@ -118,6 +118,25 @@ def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, draft
     assert other.drafter.head is other.drafter.draft.head is not None
 
 
+def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, reference, monkeypatch):
+    """On a CPU with bfloat16 arithmetic a compact draft with its own encoder runs that encoder
+    and its cross K/V in bfloat16 (forced here, whatever this CPU has): other proposals, the same
+    output; a shared-encoder draft keeps the target's float32 encoder."""
+    from specwhisper import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("compact drafts need the C++ decode ops")
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: True)
+    engine = Engine(target, drafts["wrong"])
+    draft = engine.drafter.draft.model
+    assert draft.encoder.conv1.weight.dtype == torch.bfloat16 and draft.decoder.native_bf16
+    out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
+    assert [o.tokens for o in out] == reference[:2]
+    assert sum(o.stats.draft_passes for o in out) > 0
+    shared = Engine(target, drafts["shared"])
+    assert shared.drafter.shared_encoder and shared.drafter.draft.model.encoder.conv1.weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_max_new_tokens_cut_inside_a_run(k, target, mels, reference):
     engine = Engine(target, target)
