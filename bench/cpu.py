@@ -175,10 +175,18 @@ def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10
     with torch.inference_mode():
         dec.fill_cross(cache, lm.model.encoder(mel[None].to(engine.dtype)))
         dec.hidden(torch.full((1, POSITION), 440), torch.arange(POSITION)[None], cache)
-        for t in rows:
-            tokens, pos = torch.full((1, t), 440), torch.arange(POSITION, POSITION + t)[None]
-            out[t] = timed(lambda: lm.greedy(dec.hidden(tokens, pos, cache, kv_len=POSITION + t), lm.suppress),
-                           repeats)
+        passes = {t: (lambda t=t: lm.greedy(dec.hidden(torch.full((1, t), 440), torch.arange(POSITION, POSITION + t)[None],
+                                                       cache, kv_len=POSITION + t), lm.suppress)) for t in rows}
+        for _ in range(3):  # warm-up
+            for run in passes.values():
+                run()
+        times = {t: [] for t in rows}
+        for _ in range(repeats):  # interleaved rounds: a slow spell of the machine hits every T alike
+            for t, run in passes.items():
+                start = time.perf_counter()
+                run()
+                times[t].append(time.perf_counter() - start)
+        out = {t: statistics.median(v) for t, v in times.items()}
     return out
 
 

@@ -137,6 +137,67 @@ void rows_tile(const float* x, int64_t M, int64_t K, const W* w, float* out, int
   if (M - m == 1) tile_avx2<W, 1, NR>(x + m * K, K, w, K, out + m * ldo, ldo);
 }
 
+// The same tiles with AVX-512: one zmm holds a pair of weight rows (lanes 0-7 row j, 8-15 row
+// j+1) against the input's 8 features broadcast to both halves, so every lane runs exactly the
+// AVX2 lane's chain of fmas and each half is summed by hsum8: the same bits, half the fma
+// instructions (several input rows: a verify pass).
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 pair8(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 pair8(const bf16* a, const bf16* b) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename W, int MR, bool PF>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void tile512(const float* x, int64_t ldx, const W* w, int64_t K,
+                                                                 float* out, int64_t ldo) {
+  static_assert(kNR == 4, "tile512 pairs 4 weight rows");
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m512 w0 = pair8(w + k, w + K + k), w1 = pair8(w + 2 * K + k, w + 3 * K + k);
+    if (PF && (k * sizeof(W)) % 64 == 0)
+      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (kNR + j) * K + k), _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
+      acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kNR; ++j) {
+      const __m512 a = acc[i][j / 2];
+      float s = hsum8(j % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))
+                            : _mm512_castps512_ps256(a));
+      for (int64_t t = k; t < K; ++t) s = std::fma(widen(w[j * K + t]), x[i * ldx + t], s);
+      out[i * ldo + j] = s;
+    }
+}
+
+// All rows of x against one weight tile with tile512, up to 6 rows at a time; the first group
+// prefetches the next tile (unless this is the thread's last).
+template <typename W>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void rows_tile512(const float* x, int64_t M, int64_t K, const W* w,
+                                                                      float* out, int64_t ldo, bool more) {
+  for (int64_t m = 0; m < M; m += 6) {
+    const float* xm = x + m * K;
+    float* om = out + m * ldo;
+    const bool pf = more && m == 0;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 1: pf ? tile512<W, 1, true>(xm, K, w, K, om, ldo) : tile512<W, 1, false>(xm, K, w, K, om, ldo); break;
+      case 2: pf ? tile512<W, 2, true>(xm, K, w, K, om, ldo) : tile512<W, 2, false>(xm, K, w, K, om, ldo); break;
+      case 3: pf ? tile512<W, 3, true>(xm, K, w, K, om, ldo) : tile512<W, 3, false>(xm, K, w, K, om, ldo); break;
+      case 4: pf ? tile512<W, 4, true>(xm, K, w, K, om, ldo) : tile512<W, 4, false>(xm, K, w, K, om, ldo); break;
+      case 5: pf ? tile512<W, 5, true>(xm, K, w, K, om, ldo) : tile512<W, 5, false>(xm, K, w, K, om, ldo); break;
+      default: pf ? tile512<W, 6, true>(xm, K, w, K, om, ldo) : tile512<W, 6, false>(xm, K, w, K, om, ldo); break;
+    }
+  }
+}
+
 // bfloat16 weights (widened as they stream, more work per byte than float32) prefetch the tile
 // this many bytes ahead (a 2-layer draft's linears: 1.0 -> 0.7 ms cold; float32 weights
 // stream as fast without).
@@ -148,7 +209,8 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
                   int64_t ldo, bool vec) {
   // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
   // so the same bits) instead of once per group of kMR rows
-  const bool widen_tile = vec && !std::is_same<W, float>::value && M > kMR;
+  const bool pairs = vec && M >= 2 && vector_level() >= 2;  // several rows: the AVX-512 tiles
+  const bool widen_tile = vec && !pairs && !std::is_same<W, float>::value && M > kMR;
   std::vector<float> wide(widen_tile ? kNR * K : 0);
   for (int64_t n = n0; n < n1; n += kNR) {
     const int64_t nr = std::min(kNR, n1 - n);
@@ -163,7 +225,10 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
         for (int64_t l = 0; l < kNR * K * int64_t(sizeof(W)) && next + l < end; l += 64)
           _mm_prefetch(next + l, _MM_HINT_T0);
       }
-      rows_tile<W, kNR>(x, M, K, wt, acc + n, ldo, n + 2 * kNR <= n1);
+      if (pairs)
+        rows_tile512<W>(x, M, K, wt, acc + n, ldo, n + 2 * kNR <= n1);
+      else
+        rows_tile<W, kNR>(x, M, K, wt, acc + n, ldo, n + 2 * kNR <= n1);
     } else {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < nr; ++j)

@@ -171,3 +171,15 @@ def test_loop_threads_stop_at_interpreter_exit(multilingual):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_cpu_decode_ops_build_here():
+    """The C++ decode ops build wherever the tests run (a compiler is part of the test setup):
+    a failed build would skip every kernel test and fall back to the slow paths unnoticed."""
+    import os
+
+    from specwhisper import cpu_ops
+
+    if os.environ.get("SPECWHISPER_NO_EXT", "") not in ("", "0"):
+        pytest.skip("the C++ decode ops are disabled by SPECWHISPER_NO_EXT")
+    assert cpu_ops.available(), "the C++ decode ops failed to build (see the RuntimeWarning above)"
