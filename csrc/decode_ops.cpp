@@ -571,6 +571,56 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   return out;
 }
 
+// ------------------------------------------------------------------ int8 linear (drafts)
+// x [..., K] @ (scale[n] * q[n])^T + bias -> float32, with q int8 in the screen's block layout
+// [N/8, K/8, 8, 8]: a quarter of float32's bytes. For drafts only (proposals; the target
+// verifies them). The screen's kernels: 8 lane sums per output, hsum8, at every vector level.
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+              packed.size(2) == kQB && packed.size(3) == 8, "linear_q8: packed must be int8 [N/8, K/8, 8, 8]");
+  const int64_t N = packed.size(0) * kQB, K = packed.size(1) * 8;
+  TORCH_CHECK(x.size(-1) == K, "linear_q8: x has ", x.size(-1), " features, weight expects ", K);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "linear_q8: scale must be float32 [N]");
+  at::Tensor xf = as_float_rows(x);
+  const int64_t M = xf.size(0), blocks = N / kQB;
+  at::Tensor out = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  const int level = vector_level();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (kQB * K));
+  if (M > 0)
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int8_t* blk = qp + b * kQB * K;
+        const int8_t* next = b + 1 < b1 ? blk + kQB * K : blk;
+        if (level >= 2) {
+          q8_rows512(xp, M, K, blk, next, op + b * kQB, N);
+        } else if (level >= 1) {
+          q8_rows(xp, M, K, blk, next, op + b * kQB, N);
+        } else {
+          for (int64_t m = 0; m < M; ++m)
+            for (int j = 0; j < kQB; ++j) op[m * N + b * kQB + j] = q8_dot_scalar(xp + m * K, K, blk, j);
+        }
+      }
+    });
+  const float* sp = scale.data_ptr<float>();
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "linear_q8: bias has ", bias->numel(), " entries, expected ", N);
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) op[m * N + n] = op[m * N + n] * sp[n] + (bp ? bp[n] : 0.0f);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.to(x.scalar_type()).view(shape);
+}
+
 // ------------------------------------------------------------------ attention
 // exp for softmax weights: Cephes-style range reduction and polynomial, identical in the vector
 // and scalar forms (no FMA contraction in the scalar form: explicit operations only).
@@ -936,15 +986,19 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
                           const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,
                           int64_t n_heads, double eps) {
   const int64_t L = self_k.size(0);
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == 18 * L, "decoder_layers: 18 parameters per layer");
+  const int64_t per = static_cast<int64_t>(params.size()) / std::max<int64_t>(1, L);
+  TORCH_CHECK((per == 18 || per == 24) && per * L == static_cast<int64_t>(params.size()),
+              "decoder_layers: 18 parameters per layer (24: int8 projections with their 6 scales last)");
   const int64_t B = x_in.size(0), T = x_in.size(1), d = x_in.size(2), Dh = d / n_heads;
   const double scale = std::pow(static_cast<double>(Dh), -0.5);
   at::Tensor x = x_in;
-  auto linear = [](const at::Tensor& a, const at::Tensor& w, const at::Tensor& b) {
-    return linear_rows(a, w, b, c10::nullopt);
-  };
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* p = params.data() + 18 * l;
+    const at::Tensor* p = params.data() + per * l;
+    int scale_at = 18;  // int8 projections: their scales follow the 18 parameters, in order
+    auto linear = [&](const at::Tensor& a, const at::Tensor& w, const at::Tensor& b) {
+      if (w.scalar_type() == at::kChar) return linear_q8(a, w, p[scale_at++], b);
+      return linear_rows(a, w, b, c10::nullopt);
+    };
     at::Tensor qkv = linear(at::layer_norm(x, {d}, p[0], p[1], eps), p[2], p[3]).view({B, T, 3, n_heads, Dh});
     at::Tensor sk = self_k.select(0, l), sv = self_v.select(0, l);
     kv_write(sk, sv, qkv.select(2, 1), qkv.select(2, 2), write_pos);
@@ -984,6 +1038,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("decoder_layers(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, Tensor write_pos, Tensor n_self, Tensor n_cross, int n_heads, float eps) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
@@ -992,6 +1047,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
 TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("gather_dot", &gather_dot);
+  m.impl("linear_q8", &linear_q8);
   m.impl("screened_argmax", &screened_argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);

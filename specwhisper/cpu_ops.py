@@ -91,6 +91,21 @@ def linear(x, weight, bias=None, out_dtype=None):
     return linear_reference(x, weight, bias, out_dtype)
 
 
+def linear_q8_reference(x, packed, scale, bias=None):
+    n_blocks, k8 = packed.shape[:2]
+    q = packed.transpose(1, 2).reshape(n_blocks * 8, k8 * 8).float()
+    out = (x.float() @ q.T) * scale
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def linear_q8(x, packed, scale, bias=None):
+    """x @ (scale[:, None] * q).T + bias with q the int8 rows in the screen's block layout
+    (`head.pack_int8`): an int8 draft's projections."""
+    if active(x):
+        return _ops().linear_q8(x, packed, scale, bias)
+    return linear_q8_reference(x, packed, scale, bias)
+
+
 def gather_dot(x, weight, ids):
     if active(x) and weight.is_contiguous() and weight.dtype == torch.float32:
         return _ops().gather_dot(x, weight, ids)

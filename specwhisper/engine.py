@@ -47,8 +47,9 @@ class Engine:
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
         `compact_draft`: store the draft decoder's projection weights and its cross-attention
-        K/V in bfloat16 (half the bytes of a draft step; the output stays exact, the target
-        verifies every proposal); None:
+        K/V in bfloat16, its C++ step reading int8 copies of the projections (a quarter of the
+        float32 bytes of a draft step; the output stays exact, the target verifies every
+        proposal); None:
         on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
         (the target's own weights, kept exact);
         `max_batch`: windows decoded together (memory: one KV-cache slot each); `background`:
@@ -74,6 +75,7 @@ class Engine:
                                  and not same_decoder(draft_model.model, self.target.model))
             if compact_draft:
                 draft_model.model.compact_decoder()
+                draft_model.model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
             self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
             if compact_draft and not self.drafter.shared_encoder and cpu_ops.native_bf16():
                 draft_model.model.compact_encoder()  # its own encoder pass: the largest part of its cost

@@ -60,6 +60,16 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.to(torch.int8), s, c
 
 
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float32 (N, K multiples of 8) -> (packed int8 [N/8, K/8, 8, 8], scale [N]):
+    the per-row int8 copy of `quantize` in the C++ block layout (`cpu_ops.linear_q8`)."""
+    N, K = weight.shape
+    if N % BLOCK or K % 8:
+        raise ValueError(f"int8 packing needs rows and features in multiples of 8, got {N}x{K}")
+    q, scale, _ = quantize(weight)
+    return q.view(N // BLOCK, BLOCK, K // 8, 8).transpose(1, 2).contiguous(), scale
+
+
 class ScreenedHead:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.float().contiguous()  # [V, K] float32 (the token embedding)

@@ -250,19 +250,27 @@ class Decoder(nn.Module):
 
     def layer_params(self) -> list[torch.Tensor]:
         """The 18 tensors per layer `cpu_ops.decoder_layers` reads, in its order (cached; call
-        `forget_layer_params` after replacing weights)."""
+        `forget_layer_params` after replacing weights); an int8 decoder (`int8_projections`)
+        passes its packed int8 projections and appends their 6 scales (24 per layer)."""
         if getattr(self, "_layer_params", None) is None:
             params = []
             for layer in self.layers:
                 sa, ca = layer.self_attn, layer.encoder_attn
+                w = [sa.fused_weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight,
+                     layer.fc1.weight, layer.fc2.weight]
+                scales = []
+                if self.int8:
+                    w, scales = [q for q, _ in layer.int8], [s for _, s in layer.int8]
                 params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
-                           sa.fused_weight, sa.fused_bias, sa.out_proj.weight, sa.out_proj.bias,
+                           w[0], sa.fused_bias, w[1], sa.out_proj.bias,
                            layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias,
-                           ca.q_proj.weight, ca.q_proj.bias, ca.out_proj.weight, ca.out_proj.bias,
+                           w[2], ca.q_proj.bias, w[3], ca.out_proj.bias,
                            layer.final_layer_norm.weight, layer.final_layer_norm.bias,
-                           layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias]
+                           w[4], layer.fc1.bias, w[5], layer.fc2.bias] + scales
             self._layer_params = [t.detach() for t in params]
         return self._layer_params
+
+    int8 = False  # the C++ step reads int8 copies of the projections (`Whisper.int8_projections`)
 
     def forget_layer_params(self) -> None:
         self._layer_params = None
@@ -306,6 +314,28 @@ class Whisper(nn.Module):
             layer.self_attn.fuse(("q", "k", "v"))
         self.decoder.compact = True  # its runner keeps the cross-attention K/V in bfloat16 too
         self.decoder.native_bf16 = cpu_ops.native_bf16()
+        self.decoder.forget_layer_params()
+
+    def int8_projections(self) -> None:
+        """Let the decoder's C++ step read int8 copies of its projections (per output row
+        q = round(w / s), s = max|w| / 127; a quarter of float32's bytes, half of bfloat16's),
+        products in float32. For drafts on the CPU only (their proposals change a little, the
+        verified output does not); the layer-by-layer path keeps the module weights."""
+        from .head import pack_int8
+
+        if not cpu_ops.available():
+            raise RuntimeError("int8_projections needs the C++ decode ops (cpu_ops)")
+        cfg = self.config
+        if any(n % 8 for n in (cfg.d_model, cfg.decoder_ffn_dim)):
+            return  # the int8 blocks need multiples of 8: the bfloat16 projections stay
+        for layer in self.decoder.layers:
+            sa, ca = layer.self_attn, layer.encoder_attn
+            if getattr(sa, "fused_names", None) != ("q", "k", "v"):
+                sa.fuse(("q", "k", "v"))
+            weights = [sa.fused_weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight,
+                       layer.fc1.weight, layer.fc2.weight]
+            layer.int8 = [pack_int8(w.detach().float()) for w in weights]
+        self.decoder.int8 = True
         self.decoder.forget_layer_params()
 
     def compact_encoder(self) -> None:

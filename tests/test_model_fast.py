@@ -90,6 +90,33 @@ def test_every_vector_level_gives_the_same_bits(wdtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
+def test_int8_linear_matches_reference_at_every_vector_level(M):
+    """An int8 draft's projections (`linear_q8`): the dequantized product within float32
+    rounding, the same bits at every vector level and for each row alone as inside the block."""
+    from specwhisper.head import pack_int8
+
+    gen = torch.Generator().manual_seed(M)
+    weight = torch.randn(96, 136, generator=gen)
+    weight[3] *= 40  # rows with their own scales
+    packed, scale = pack_int8(weight)
+    bias = torch.randn(96, generator=gen)
+    x = torch.randn(M, 136, generator=gen)
+    ref = cpu_ops.linear_q8_reference(x, packed, scale, bias)
+    q = packed.transpose(1, 2).reshape(96, 136).float()
+    torch.testing.assert_close(ref, x @ (q * scale[:, None]).T + bias, rtol=1e-5, atol=1e-4)
+    outs = []
+    for level in (2, 1, 0):
+        with cpu_ops.vector_level(level):
+            outs.append(cpu_ops.linear_q8(x, packed, scale, bias))
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for m in range(M):
+        assert torch.equal(cpu_ops.linear_q8(x[m:m + 1], packed, scale, bias), outs[0][m:m + 1])
+    with pytest.raises(ValueError, match="multiples of 8"):
+        pack_int8(torch.randn(10, 16))
+
+
 def test_gather_dot_equals_linear_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 77, generator=gen)
@@ -299,6 +326,9 @@ def test_compact_draft_keeps_output_exact(head64, ckpt_dir):
     assert layer.final_layer_norm.weight.dtype == torch.float32
     assert full.drafter.draft.model.decoder.layers[0].fc1.weight.dtype == torch.float32
     assert compact.runner.dcache.cross_k.dtype == torch.bfloat16  # its cross K/V too
+    step = compact.drafter.draft.model.decoder
+    assert step.int8 and len(step.layer_params()) == 24 * len(step.layers)  # int8 projections in its C++ step
+    assert not full.drafter.draft.model.decoder.int8
     assert full.runner.dcache.cross_k.dtype == torch.float32
     assert compact.target.model.decoder.layers[0].fc1.weight.dtype == torch.float32  # never the target
     self_draft = Engine(head64, head64).drafter.draft.model.decoder.layers[0]
