@@ -310,6 +310,23 @@ def test_bfloat16_speculative_equals_target_only(head64):
     assert spec.stats.acceptance_rate == 1.0  # its own draft: every proposal is the target's choice
 
 
+def test_bfloat16_model_with_bfloat16_arithmetic(head64, monkeypatch):
+    """On a CPU with bfloat16 arithmetic (forced here) a bfloat16 model runs its encoder and
+    cross K/V in bfloat16 too; speculative output stays the model's own."""
+    from specwhisper import load_audio, log_mel_spectrogram
+    from specwhisper.samples import sample_paths
+
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: True)
+    mel = log_mel_spectrogram(load_audio(sample_paths()[0]), n_mels=80)
+    engine = Engine(head64, dtype=torch.bfloat16)
+    model = engine.target.model
+    assert model.encoder.conv1.weight.dtype == torch.bfloat16 and model.decoder.native_bf16
+    plain = engine.transcribe(mel, language="en", max_new_tokens=20)
+    spec = Engine(head64, head64, dtype=torch.bfloat16).transcribe(mel, language="en", max_new_tokens=20,
+                                                                   num_draft_tokens=3)
+    assert len(plain.tokens) >= 10 and spec.tokens == plain.tokens
+
+
 def test_compact_draft_keeps_output_exact(head64, ckpt_dir):
     """A float32 draft on the CPU stores its decoder projections in bfloat16 by default (half the
     bytes of a draft step); the target verifies every proposal, so the output is unchanged."""
