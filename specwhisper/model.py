@@ -247,6 +247,7 @@ class Decoder(nn.Module):
     fused_step = True  # False: run the layers one `forward_rows` call at a time (the spec)
     compact = False  # projections in bfloat16 (`Whisper.compact_decoder`)
     native_bf16 = False  # a compact decoder's cross K/V from torch's bfloat16 GEMM (`compact_decoder`)
+    int8 = False  # the C++ step reads int8 copies of the projections (`Whisper.int8_projections`)
 
     def layer_params(self) -> list[torch.Tensor]:
         """The 18 tensors per layer `cpu_ops.decoder_layers` reads, in its order (cached; call
@@ -269,8 +270,6 @@ class Decoder(nn.Module):
                            w[4], layer.fc1.bias, w[5], layer.fc2.bias] + scales
             self._layer_params = [t.detach() for t in params]
         return self._layer_params
-
-    int8 = False  # the C++ step reads int8 copies of the projections (`Whisper.int8_projections`)
 
     def forget_layer_params(self) -> None:
         self._layer_params = None
