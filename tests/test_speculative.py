@@ -253,12 +253,19 @@ def test_draft_length_rule():
     flat = DraftLength(None)
     for r in (rule, flat):
         r.plain_pass = 1.0
-    for _ in range(60):
-        rule.update(4, [3], [False], draft_seconds=4 * 0.1, verify_seconds=2.0)
-        flat.update(4, [3], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
+    for i in range(60):
+        accepted = [4, 3, 4, 2, 4, 4, 1, 4][i % 8]
+        rule.update(4, [accepted], [False], draft_seconds=4 * 0.1, verify_seconds=2.0)
+        flat.update(4, [accepted], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
     assert abs(rule.growth - 0.25) < 0.01 and flat.growth == 0.0
     assert abs(rule.cost_ratio - 0.1) < 0.01 and abs(flat.cost_ratio - 0.1) < 0.01  # per plain pass
     assert rule.best()[0] < flat.best()[0]  # the growing pass asks for fewer drafted tokens
+
+    short = DraftLength(None)  # the first two proposals always accepted, the third never:
+    short.plain_pass = 1.0     # the pooled rate (2/3) would ask for long drafts, the positions do not
+    for _ in range(60):
+        short.update(4, [2], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
+    assert short.best()[0] == 2
 
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
