@@ -162,6 +162,7 @@ class DraftLength:
     DECAY = 0.9  # weight of the past in every running estimate (but the next)
     RUN_DECAY = 0.97  # ... in the per-position acceptance counts (sparser: slower to forget)
     PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
+    MARGIN = 1.05  # speculation must measure this much faster than plain steps
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
@@ -202,7 +203,9 @@ class DraftLength:
     def pays(self) -> bool:
         if self.spec is None or self.plain is None:
             return self.best()[1] > 1.0
-        return self.spec[0] / self.spec[1] > self.plain[0] / self.plain[1]
+        # a margin: the rates count draft and verify time only, not a drafting iteration's
+        # bookkeeping, so a draft that merely ties plain steps (a self draft on a CPU) stays off
+        return self.spec[0] / self.spec[1] > self.MARGIN * self.plain[0] / self.plain[1]
 
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
         if self.fixed is not None:

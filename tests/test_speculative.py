@@ -228,7 +228,7 @@ def test_draft_length_rule():
     assert ks[-1] == 8 and ks.count(0) == 1  # one plain step to measure the comparison
     for _ in range(200):  # nothing accepted any more: speculation loses to plain steps
         step(rule, False, 0.05)
-        if rule.k == 0 and rule.spec[0] / rule.spec[1] < rule.plain[0] / rule.plain[1]:
+        if rule.k == 0 and not rule.pays():
             break
     assert rule.k == 0
     ks = [step(rule, False, 0.05) for _ in range(16 + 32 + 64 + 10)]
@@ -266,6 +266,12 @@ def test_draft_length_rule():
     for _ in range(60):
         short.update(4, [2], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
     assert short.best()[0] == 2
+
+    tie = DraftLength(None)  # a draft that only ties plain steps stays off (their bookkeeping is not timed)
+    tie.spec, tie.plain = (1.02, 1.0), (1.0, 1.0)
+    assert not tie.pays()
+    tie.spec = (1.1, 1.0)
+    assert tie.pays()
 
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
