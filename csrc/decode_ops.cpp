@@ -178,23 +178,31 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void tile512(const float* x
     }
 }
 
+// MR = rows (1..6) input rows against one weight tile with tile512.
+template <typename W, bool PF>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void group512(int64_t rows, const float* x, int64_t K,
+                                                                  const W* w, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: tile512<W, 1, PF>(x, K, w, K, out, ldo); break;
+    case 2: tile512<W, 2, PF>(x, K, w, K, out, ldo); break;
+    case 3: tile512<W, 3, PF>(x, K, w, K, out, ldo); break;
+    case 4: tile512<W, 4, PF>(x, K, w, K, out, ldo); break;
+    case 5: tile512<W, 5, PF>(x, K, w, K, out, ldo); break;
+    default: tile512<W, 6, PF>(x, K, w, K, out, ldo); break;
+  }
+}
+
 // All rows of x against one weight tile with tile512, up to 6 rows at a time; the first group
 // prefetches the next tile (unless this is the thread's last).
 template <typename W>
 __attribute__((target("avx512f,avx512dq,avx2,fma"))) void rows_tile512(const float* x, int64_t M, int64_t K, const W* w,
                                                                       float* out, int64_t ldo, bool more) {
   for (int64_t m = 0; m < M; m += 6) {
-    const float* xm = x + m * K;
-    float* om = out + m * ldo;
-    const bool pf = more && m == 0;
-    switch (std::min<int64_t>(6, M - m)) {
-      case 1: pf ? tile512<W, 1, true>(xm, K, w, K, om, ldo) : tile512<W, 1, false>(xm, K, w, K, om, ldo); break;
-      case 2: pf ? tile512<W, 2, true>(xm, K, w, K, om, ldo) : tile512<W, 2, false>(xm, K, w, K, om, ldo); break;
-      case 3: pf ? tile512<W, 3, true>(xm, K, w, K, om, ldo) : tile512<W, 3, false>(xm, K, w, K, om, ldo); break;
-      case 4: pf ? tile512<W, 4, true>(xm, K, w, K, om, ldo) : tile512<W, 4, false>(xm, K, w, K, om, ldo); break;
-      case 5: pf ? tile512<W, 5, true>(xm, K, w, K, om, ldo) : tile512<W, 5, false>(xm, K, w, K, om, ldo); break;
-      default: pf ? tile512<W, 6, true>(xm, K, w, K, om, ldo) : tile512<W, 6, false>(xm, K, w, K, om, ldo); break;
-    }
+    const int64_t rows = std::min<int64_t>(6, M - m);
+    if (more && m == 0)
+      group512<W, true>(rows, x, K, w, out, ldo);
+    else
+      group512<W, false>(rows, x + m * K, K, w, out + m * ldo, ldo);
   }
 }
 
@@ -400,23 +408,30 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_block512(const floa
     }
 }
 
+// rows (1..4) input rows against one int8 block with q8_block512.
+template <bool PF>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_group512(int64_t rows, const float* x, int64_t K,
+                                                                     const int8_t* blk, float* out, int64_t ldo,
+                                                                     const int8_t* next) {
+  switch (rows) {
+    case 1: q8_block512<1, PF>(x, K, blk, out, ldo, next); break;
+    case 2: q8_block512<2, PF>(x, K, blk, out, ldo, next); break;
+    case 3: q8_block512<3, PF>(x, K, blk, out, ldo, next); break;
+    default: q8_block512<4, PF>(x, K, blk, out, ldo, next); break;
+  }
+}
+
+// Every row of x against one int8 block, up to 4 rows at a time; the first group prefetches
+// the next block.
 __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_rows512(const float* x, int64_t M, int64_t K,
                                                                     const int8_t* blk, const int8_t* next,
                                                                     float* out, int64_t ldo) {
-  int64_t m = 0;
-  switch (std::min<int64_t>(M, 4)) {  // the first group prefetches the next block
-    case 1: q8_block512<1, true>(x, K, blk, out, ldo, next); break;
-    case 2: q8_block512<2, true>(x, K, blk, out, ldo, next); break;
-    case 3: q8_block512<3, true>(x, K, blk, out, ldo, next); break;
-    default: q8_block512<4, true>(x, K, blk, out, ldo, next); break;
-  }
-  m = std::min<int64_t>(M, 4);
-  for (; m + 4 <= M; m += 4) q8_block512<4>(x + m * K, K, blk, out + m * ldo, ldo);
-  switch (M - m) {
-    case 3: q8_block512<3>(x + m * K, K, blk, out + m * ldo, ldo); break;
-    case 2: q8_block512<2>(x + m * K, K, blk, out + m * ldo, ldo); break;
-    case 1: q8_block512<1>(x + m * K, K, blk, out + m * ldo, ldo); break;
-    default: break;
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t rows = std::min<int64_t>(4, M - m);
+    if (m == 0)
+      q8_group512<true>(rows, x, K, blk, out, ldo, next);
+    else
+      q8_group512<false>(rows, x + m * K, K, blk, out + m * ldo, ldo, nullptr);
   }
 }
 
@@ -633,6 +648,13 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
 // 2-core Xeon, cold caches, 6 layers of base's cross-attention: 1.85 -> 1.3 ms at one query).
 constexpr int64_t kAttnPrefetch = 4096;
 
+// Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead.
+template <typename T>
+inline void prefetch_value_row(const T* row) {
+  for (int l = 0; l < 64 * int(sizeof(T)); l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kAttnPrefetch + l, _MM_HINT_T0);
+}
+
 inline float exp_scalar(float x) {
   x = std::min(std::max(x, kExpLo), kExpHi);
   float fx = std::nearbyint(x * kLog2e);
@@ -724,8 +746,7 @@ __attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, cons
   for (j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j]);
     const T* vj = v + j * vs;
-    for (int l = 0; l < 64 * int(sizeof(T)); l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(vj) + kAttnPrefetch + l, _MM_HINT_T0);
+    prefetch_value_row(vj);
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vj + 8 * i), acc[i]);
   }
   const __m256 div = _mm256_set1_ps(total);
@@ -747,9 +768,7 @@ __attribute__((target("avx2,fma"))) void values_group_avx2(const float* const* w
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n_max; ++j) {
       const T* vj = v + j * vs + c;
-      if (c == 0)
-        for (int l = 0; l < 64 * int(sizeof(T)); l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(vj) + kAttnPrefetch + l, _MM_HINT_T0);
+      if (c == 0) prefetch_value_row(vj);
       const __m256 v0 = load8(vj), v1 = load8(vj + 8);
       for (int g = 0; g < G; ++g)
         if (j < n[g]) {
@@ -785,9 +804,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void values_group512(const 
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_max; ++j) {
       const T* vj = v + j * vs + c;
-      if (c == 0)
-        for (int l = 0; l < 64 * int(sizeof(T)); l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(v + j * vs) + kAttnPrefetch + l, _MM_HINT_T0);
+      if (c == 0) prefetch_value_row(v + j * vs);
       const __m512 v0 = load16(vj), v1 = load16(vj + 16);
       for (int g = 0; g < G; ++g)
         if (j < n[g]) {

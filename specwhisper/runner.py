@@ -319,7 +319,7 @@ class Runner:
             # the widest row's uncached tokens (a host read costs nothing here): a draft with
             # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
             # drafting base), almost always 1 or 2 tokens are uncached
-            width = max(1, int((dn - torch.minimum(self.dcached[:B], dn - 1).clamp(min=0)).max()))
+            width = self.uncached_width(B)
         src = self.uncached_positions(B, width)  # [B, width]
         feed = self.dtokens[:B].gather(1, src)
         kv_len = min(int(self._host_dn_max) + k + 1, self.max_pos + 1) if self.trim else None
@@ -348,10 +348,17 @@ class Runner:
         rows repeat their first uncached position on the left (rewriting one slot with the same
         values), and a row with nothing uncached re-feeds its last token, whose output predicts
         the next one."""
-        dn, dc = self.dn[:B], self.dcached[:B]
-        start = torch.minimum(dc, dn - 1).clamp(min=0)  # a row without a draft (dn = 0) re-feeds slot 0
+        dn, start = self.dn[:B], self.uncached_start(B)
         j = torch.arange(width, device=self.device)
         return start[:, None] + (j[None] - (width - (dn - start)[:, None])).clamp(min=0)
+
+    def uncached_start(self, B: int) -> torch.Tensor:
+        """Each row's first draft position to feed [B] (a row without a draft, dn = 0, re-feeds slot 0)."""
+        return torch.minimum(self.dcached[:B], self.dn[:B] - 1).clamp(min=0)
+
+    def uncached_width(self, B: int) -> int:
+        """The widest row's number of positions to feed (a host read; at least 1)."""
+        return max(1, int((self.dn[:B] - self.uncached_start(B)).max()))
 
     def dcache_view(self, B: int) -> DecoderCache:
         return DecoderCache(*(t[:, :B] for t in self.dcache.buffers()))
@@ -380,8 +387,7 @@ class Runner:
         """Feed every row's uncached draft tokens (after iterations without drafting)."""
         ddec = self.drafter.draft.model.decoder
         dn, dc = self.dn[:B], self.dcached[:B]
-        width = int((dn - torch.minimum(dc, dn - 1)).max())
-        src = self.uncached_positions(B, width)
+        src = self.uncached_positions(B, self.uncached_width(B))
         ddec.hidden(self.dtokens[:B].gather(1, src), src, self.dcache_view(B))
         self.dcached[:B] = torch.maximum(dn - 1, dc)
         self.draft_passes[:B] += self.draft_on[:B].long()  # rows whose draft runs
