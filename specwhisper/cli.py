@@ -201,18 +201,21 @@ def cmd_distill(args) -> int:
         torch.set_num_threads(args.threads)
     opts = DistillOptions(layers=args.layers, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           lr=args.lr, seed=args.seed, language=args.language, max_new_tokens=args.max_new_tokens,
-                          bf16=args.bf16, device=args.device, kd=args.kd, holdout=args.holdout)
+                          bf16=args.bf16, device=args.device, kd=args.kd, holdout=args.holdout,
+                          eval_every=args.eval_every, pack=not args.no_pack, ema=args.ema)
     report = distill(model_folder(args.target), args.audio, args.out, opts)
     for line in report.skipped:
         print(f"skipped {line}", file=sys.stderr)
     last = report.losses[-20:]
     print(f"{report.out}: {report.step} steps in all ({len(report.losses)} now, {report.train_seconds:.0f} s; "
-          f"teacher pass {report.teacher_seconds:.0f} s over {report.examples} windows)"
+          f"teacher pass {report.teacher_seconds:.0f} s over {report.examples} "
+          f"window{'s' if report.examples != 1 else ''})"
           + (f", loss {sum(last) / len(last):.3f}" if last else ""))
     if report.agreement is not None:
         print(f"held-out agreement with the target ({report.held_out} of {report.held_out + report.examples} "
               f"windows held out): {report.agreement_start:.3f} "
-              f"before training, {report.agreement:.3f} now (the expected greedy acceptance per proposal)")
+              f"before training, {report.agreement:.3f} saved, from step {report.best_step} (the expected "
+              f"greedy acceptance per proposal; the best of the checks every {args.eval_every} steps)")
     return 0
 
 
@@ -226,7 +229,7 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all")
     d.add_argument("--minutes", type=float, default=None, help="wall-time bound of this run's training phase")
     d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--lr", type=float, default=3e-4)
+    d.add_argument("--lr", type=float, default=1e-4)
     d.add_argument("--language", default=None, help="language of the audio (default: detected per window)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="cap on the teacher's tokens per window")
     d.add_argument("--seed", type=int, default=0)
@@ -234,6 +237,12 @@ def add_distill_parser(sub) -> None:
                    help="weight of the loss against the target's distribution (0: its tokens only)")
     d.add_argument("--holdout", type=float, default=0.1,
                    help="share of windows kept out of training to measure agreement (with 10 windows or more)")
+    d.add_argument("--no-pack", action="store_true", help="one window per short file (default: consecutive "
+                   "files shorter than 30 s are joined into full windows, as long-form transcription decodes)")
+    d.add_argument("--ema", type=float, default=0.99, help="the draft is this moving average of the "
+                   "trained weights (0: the last weights)")
+    d.add_argument("--eval-every", type=int, default=50,
+                   help="steps between held-out agreement checks; the best draft seen is saved (0: the last)")
     d.add_argument("--bf16", action="store_true", help="bfloat16 autocast while training (for GPUs; "
                    "CPU builds without bf16 kernels run it far slower)")
     d.add_argument("--device", default=None)

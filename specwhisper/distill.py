@@ -1,14 +1,15 @@
 """Train a small draft decoder that shares the target's encoder, from the target's own greedy
 transcripts of the user's audio (self-distillation: no labels needed).
 
-1. *Teacher pass*: every audio file (cut into 30 s windows) is transcribed greedily by
-   `Engine(target)`; the encoder output of that call is kept. Each window gives an `Example`
-   (audio features [1500, d_model], prompt, generated tokens, and the target's `top` most likely
-   tokens with their log-probabilities at every generated position, from one teacher-forced pass),
-   cached one file per window under OUT/.distill_cache, so a rerun skips the pass. A seeded share
-   of the windows (`holdout`) is kept out of training to measure the draft's *agreement*: how often
-   its argmax equals the target's token under teacher forcing, i.e. its expected greedy acceptance
-   rate per proposal, before and after training.
+1. *Teacher pass*: every audio window is transcribed greedily by `Engine(target)`: long files are
+   cut into 30 s windows and consecutive short ones joined into windows of up to 30 s (`pack`, as
+   long-form transcription decodes full windows); the encoder output of that call is kept. Each
+   window gives an `Example` (audio features [1500, d_model], prompt, generated tokens, and the
+   target's `top` most likely tokens with their log-probabilities at every generated position,
+   from one teacher-forced pass), cached one file per window under OUT/.distill_cache, so a rerun
+   skips the pass. A seeded share of the windows (`holdout`) is kept out of training to measure the
+   draft's *agreement*: how often its argmax equals the target's token under teacher forcing, i.e.
+   its expected greedy acceptance rate per proposal, before and during training.
 2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
    (first and last for 2), with the target's token/position embeddings and final layer norm, learns
    to predict the target's tokens (teacher forcing over the generated positions and EOT, prompt
@@ -17,7 +18,9 @@ transcripts of the user's audio (self-distillation: no labels needed).
    (renormalized): the near-misses teach more per window than the argmax alone. Frozen: the token
    embedding, which is also the tied output head (the draft scores tokens with the target's own
    head), and the cross-attention key/value projections, whose output for each window is then
-   computed once.
+   computed once. The draft is a moving average of the trained weights (`ema`); every `eval_every`
+   steps its held-out agreement is measured, and the best draft seen is the one saved (a few
+   hundred windows are soon learned by heart: agreement peaks, then falls).
 3. *Saving*: OUT becomes a Hugging Face Whisper folder (config.json with `decoder_layers`,
    model.safetensors with the target's encoder tensors copied unchanged plus the new decoder,
    tokenizer and generation config copied), which `Engine(target, draft=OUT)` recognizes as sharing
@@ -36,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -47,6 +51,7 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".we
 STATE_FILE = ".distill_state.pt"
 CACHE_DIR = ".distill_cache"
 WINDOW_SAMPLES = 30 * 16000  # one Whisper window of 16 kHz audio
+PACK_GAP = 8000  # silence between files joined into one window (0.5 s)
 EOT_MARK = -1  # stands for EOT in `Example.labels` (the id is the tokenizer's)
 CACHE_VERSION = 2  # bump when the cached Example content changes
 TOKENIZER_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json", "tokenizer_config.json",
@@ -59,7 +64,7 @@ class DistillOptions:
     steps: int = 1000  # optimizer steps in all (a resumed run continues up to this)
     minutes: float | None = None  # wall-time bound of the training phase of this run (None: no bound)
     batch_size: int = 8  # windows per optimizer step
-    lr: float = 3e-4  # AdamW learning rate (after a linear warm-up)
+    lr: float = 1e-4  # AdamW learning rate (after a linear warm-up)
     warmup: int = 20  # warm-up steps
     weight_decay: float = 0.01  # AdamW weight decay
     checkpoint_every: int = 50  # steps between saves of OUT/.distill_state.pt
@@ -72,12 +77,16 @@ class DistillOptions:
     kd: float = 1.0  # weight of the soft (teacher-distribution) cross-entropy; 0: hard labels only
     top: int = 16  # teacher tokens kept per position for the soft targets
     holdout: float = 0.1  # share of windows kept out of training to measure agreement (>= 10 windows)
+    pack: bool = True  # join files shorter than a window into full windows (see `windows_of`)
+    eval_every: int = 50  # steps between held-out agreement checks; the best draft seen is saved (0: last)
+    ema: float = 0.99  # the draft is this exponential moving average of the trained weights (0: the weights)
 
     def __post_init__(self):
         if self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
-        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1 or self.warmup < 0:
-            raise ValueError("steps must be >= 0; batch_size and checkpoint_every >= 1; warmup >= 0")
+        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1 or self.warmup < 0 \
+                or self.eval_every < 0:
+            raise ValueError("steps must be >= 0; batch_size and checkpoint_every >= 1; warmup and eval_every >= 0")
         if self.minutes is not None and not self.minutes > 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
         if not self.lr > 0:
@@ -85,12 +94,14 @@ class DistillOptions:
         if self.kd < 0 or self.top < 1 or not 0 <= self.holdout < 1:
             raise ValueError(f"kd must be >= 0, top >= 1 and holdout in [0, 1); got {self.kd}, {self.top}, "
                              f"{self.holdout}")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
 
     def fingerprint(self) -> dict:
         """What a resumed run must share with the saved one (steps and minutes may change)."""
         return {k: v for k, v in asdict(self).items() if k in ("layers", "batch_size", "lr", "warmup",
                                                                  "weight_decay", "seed", "bf16", "kd", "top",
-                                                                 "holdout")}
+                                                                 "holdout", "pack", "ema")}
 
 
 @dataclass
@@ -119,6 +130,8 @@ class DistillReport:
     agreement_start: float | None = None  # held-out agreement of the initial draft
     agreement: float | None = None  # held-out agreement of the saved draft
     step: int = 0  # optimizer steps done in all (resumed runs included)
+    best_step: int = 0  # the step whose weights were saved: the best held-out agreement seen
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out agreement) of this run
     losses: list[float] = field(default_factory=list)  # per step of this run
     teacher_seconds: float = 0.0  # teacher pass of this run
     train_seconds: float = 0.0  # training phase of this run
@@ -139,11 +152,46 @@ def audio_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def _cache_key(target_id: str, path: Path, window: int, opts: DistillOptions) -> str:
-    st = path.stat()
-    text = json.dumps([CACHE_VERSION, target_id, str(path.resolve()), st.st_size, st.st_mtime_ns, window,
-                       opts.language, opts.max_new_tokens, opts.top])
+def _cache_key(target_id: str, paths: list[Path], window: int, opts: DistillOptions) -> str:
+    files = [x for p in paths for x in (str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns)]
+    text = json.dumps([CACHE_VERSION, target_id, *files, window, opts.language, opts.max_new_tokens, opts.top])
     return hashlib.sha1(text.encode()).hexdigest()
+
+
+def windows_of(files: list[Path], pack: bool, skipped: list[str]):
+    """The training windows of `files` -> (files, index, audio) for each: a file longer than a
+    window is cut into 30 s windows (index 0, 1, ...); with `pack`, consecutive shorter files are
+    joined, PACK_GAP of silence between them, into windows of up to 30 s (index 0). Long-form
+    transcription decodes full windows, so a draft trained on short clips alone would never see
+    the later positions of a window. Undecodable and empty files are appended to `skipped`."""
+    from .audio import load_audio
+
+    group: list[tuple[Path, object]] = []
+
+    def joined():
+        gap = np.zeros(PACK_GAP, dtype=np.float32)
+        parts = [part for _, audio in group for part in (gap, audio)][1:]
+        return [path for path, _ in group], 0, np.concatenate(parts)
+
+    for path in files:
+        try:
+            audio = load_audio(path)
+        except Exception as exc:  # any decoder failure: the file is unusable, not the run
+            skipped.append(f"{path}: cannot decode ({type(exc).__name__}: {exc})")
+            continue
+        if audio.size == 0:
+            skipped.append(f"{path}: no samples")
+            continue
+        if not pack or audio.size > WINDOW_SAMPLES:
+            for w, start in enumerate(range(0, audio.size, WINDOW_SAMPLES)):
+                yield [path], w, audio[start:start + WINDOW_SAMPLES]
+            continue
+        if group and sum(a.size + PACK_GAP for _, a in group) + audio.size > WINDOW_SAMPLES:
+            yield joined()
+            group = []
+        group.append((path, audio))
+    if group:
+        yield joined()
 
 
 def _target_id(folder: Path) -> str:
@@ -153,11 +201,10 @@ def _target_id(folder: Path) -> str:
 
 def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOptions,
                      skipped: list[str]) -> list[Example]:
-    """Transcribe every 30 s window of `files` with `engine` (greedy) -> Examples, cached in `cache`.
-    Undecodable files and windows the target transcribes to nothing are appended to `skipped`."""
+    """Transcribe every window of `files` (see `windows_of`) with `engine` (greedy) -> Examples,
+    cached in `cache`. Undecodable files and windows the target transcribes to nothing are appended
+    to `skipped`."""
     from tqdm import tqdm
-
-    from .audio import load_audio
 
     target = engine.target
     tok, target_id = target.tokenizer, _target_id(target.path)
@@ -166,42 +213,35 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
     hook = target.model.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
     examples = []
     try:
-        for path in tqdm(files, desc="teacher pass", unit="file", disable=not opts.progress):
-            try:
-                audio = load_audio(path)
-            except Exception as exc:  # any decoder failure: the file is unusable, not the run
-                skipped.append(f"{path}: cannot decode ({type(exc).__name__}: {exc})")
+        for paths, w, audio in tqdm(windows_of(files, opts.pack, skipped), desc="teacher pass", unit="window",
+                                     disable=not opts.progress):
+            name = f"{paths[0]}" + (f" (+{len(paths) - 1} joined)" if len(paths) > 1 else f" (window {w})")
+            entry = cache / f"{_cache_key(target_id, paths, w, opts)}.pt"
+            if entry.is_file():
+                saved = torch.load(entry, weights_only=True)
+                example = Example(saved["features"], saved["prompt"], saved["tokens"], saved["ended"],
+                                  saved["soft_ids"], saved["soft_logp"])
+            else:
+                captured.clear()
+                result = engine.transcribe(torch.from_numpy(audio),
+                                           language=opts.language, max_new_tokens=opts.max_new_tokens)
+                if len(captured) != 1:
+                    raise RuntimeError(f"expected one encoder call per window, saw {len(captured)}")
+                features = captured[0][0].float().cpu().clone()  # a normal tensor, not an inference one
+                prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
+                limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
+                example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
+                if example.tokens:
+                    example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
+                tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
+                torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
+                            "ended": example.ended, "soft_ids": example.soft_ids,
+                            "soft_logp": example.soft_logp}, tmp)
+                tmp.replace(entry)
+            if not example.tokens:
+                skipped.append(f"{name}: the target transcribes it to nothing")
                 continue
-            if audio.size == 0:
-                skipped.append(f"{path}: no samples")
-                continue
-            for w, start in enumerate(range(0, audio.size, WINDOW_SAMPLES)):
-                entry = cache / f"{_cache_key(target_id, path, w, opts)}.pt"
-                if entry.is_file():
-                    saved = torch.load(entry, weights_only=True)
-                    example = Example(saved["features"], saved["prompt"], saved["tokens"], saved["ended"],
-                                      saved["soft_ids"], saved["soft_logp"])
-                else:
-                    captured.clear()
-                    result = engine.transcribe(torch.from_numpy(audio[start:start + WINDOW_SAMPLES]),
-                                               language=opts.language, max_new_tokens=opts.max_new_tokens)
-                    if len(captured) != 1:
-                        raise RuntimeError(f"expected one encoder call per window, saw {len(captured)}")
-                    features = captured[0][0].float().cpu().clone()  # a normal tensor, not an inference one
-                    prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
-                    limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
-                    example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
-                    if example.tokens:
-                        example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
-                    tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
-                    torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
-                                "ended": example.ended, "soft_ids": example.soft_ids,
-                                "soft_logp": example.soft_logp}, tmp)
-                    tmp.replace(entry)
-                if not example.tokens:
-                    skipped.append(f"{path} (window {w}): the target transcribes it to nothing")
-                    continue
-                examples.append(example)
+            examples.append(example)
     finally:
         hook.remove()
     if not examples:
@@ -426,12 +466,24 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     decoder.to(device)
     if held:
         report.agreement_start = agreement(decoder, held, eot, suppress)
-    decoder.to(device).train()
+    decoder.train()
     params = [p for p in decoder.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.98), eps=1e-6,
                                   weight_decay=opts.weight_decay)
     state_path = out / STATE_FILE
     step = 0
+    # the best held-out agreement seen: (agreement, step, weights); a draft trained past its best
+    # (a few hundred windows are learned by heart) is not the one saved
+    trained = [name for name, p in decoder.named_parameters() if p.requires_grad]
+
+    def weights():  # the trained tensors (the frozen ones are the target's)
+        state = decoder.state_dict()
+        return {name: state[name].detach().clone() for name in trained}
+
+    best = (report.agreement_start, 0, weights()) if held else None
+    # with a constant rate the weights wander around a minimum (held-out agreement moves by ± 0.05
+    # between checks); their moving average sits nearer to it
+    average = weights() if opts.ema else None
     if state_path.is_file():
         saved = torch.load(state_path, map_location=device, weights_only=True)
         if saved["options"] != opts.fingerprint() or saved["target"] != str(target_folder.resolve()):
@@ -440,11 +492,33 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
         decoder.load_state_dict(saved["decoder"])
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
+        if held and saved.get("best") is not None:
+            best = (saved["best"]["agreement"], saved["best"]["step"], saved["best"]["decoder"])
+        if average is not None:
+            average = saved["average"]
+
+    def draft():  # the weights the draft would be saved with now
+        return {name: t.clone() for name, t in average.items()} if average is not None else weights()
+
+    def evaluate():
+        nonlocal best
+        trained_now, candidate = weights(), draft()
+        decoder.load_state_dict(candidate, strict=False)
+        decoder.eval()
+        score = agreement(decoder, held, eot, suppress)
+        decoder.train()
+        decoder.load_state_dict(trained_now, strict=False)
+        report.curve.append((step, score))
+        if score > best[0]:
+            best = (score, step, candidate)
+        return score
 
     def checkpoint():
         tmp = state_path.with_suffix(".tmp")
+        kept = None if best is None else {"agreement": best[0], "step": best[1], "decoder": best[2]}
         torch.save({"step": step, "decoder": decoder.state_dict(), "optimizer": optimizer.state_dict(),
-                    "options": opts.fingerprint(), "target": str(target_folder.resolve())}, tmp)
+                    "options": opts.fingerprint(), "target": str(target_folder.resolve()), "best": kept,
+                    "average": average}, tmp)
         tmp.replace(state_path)
 
     t0 = time.perf_counter()
@@ -470,19 +544,33 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             step += 1
+            if average is not None:  # the usual warm-up of the decay: early weights do not linger
+                decay = min(opts.ema, (1 + step) / (10 + step))
+                state = decoder.state_dict()
+                with torch.no_grad():
+                    for name, t in average.items():
+                        t.lerp_(state[name], 1 - decay)
             report.losses.append(loss.item())
             smooth = report.losses[-1] if smooth is None else 0.9 * smooth + 0.1 * report.losses[-1]
             bar.update(1)
-            bar.set_postfix(loss=f"{smooth:.3f}")
+            if held and opts.eval_every and step % opts.eval_every == 0:
+                evaluate()
+            bar.set_postfix(loss=f"{smooth:.3f}", **({"agree": f"{report.curve[-1][1]:.3f}"} if report.curve else {}),
+                            **({"best": f"{best[0]:.3f}@{best[1]}"} if best else {}))
             if step % opts.checkpoint_every == 0:
                 checkpoint()
     finally:  # an interruption keeps what was learned
         bar.close()
         report.train_seconds = time.perf_counter() - t0
-        report.step = step
+        report.step = report.best_step = step
+        if held and (not report.curve or report.curve[-1][0] != step):
+            evaluate()
         checkpoint()
+        # the best seen on the held-out windows, else the draft as it is now
+        decoder.load_state_dict(best[2] if best is not None else draft(), strict=False)
+        report.best_step = best[1] if best is not None else step
         decoder.eval()
         save_draft(decoder, target_folder, out)
     if held:
-        report.agreement = agreement(decoder, held, eot, suppress)
+        report.agreement = best[0]
     return report

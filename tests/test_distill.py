@@ -21,7 +21,7 @@ from specwhisper.samples import sample_paths
 from specwhisper.weights import load_whisper
 
 OPTS = DistillOptions(steps=3, batch_size=2, lr=1e-3, warmup=0, language="en", max_new_tokens=16,
-                      progress=False, device="cpu")
+                      progress=False, device="cpu", pack=False)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,8 @@ def test_cli(multilingual, clips, tmp_path, capsys):
     assert main(["distill", "--target", str(multilingual), "--audio", str(clips), "--out", str(out),
                  "--steps", "2", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
                  "--device", "cpu"]) == 0
-    assert "2 steps in all" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 steps in all" in printed and "over 1 window)" in printed  # three short clips: one window
     assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
 
     many = tmp_path / "many"  # 12 windows: one is held out, and its agreement is printed
@@ -183,7 +184,7 @@ def test_cli(multilingual, clips, tmp_path, capsys):
             shutil.copy(path, many / f"{i}-{path.name}")
     assert main(["distill", "--target", str(multilingual), "--audio", str(many), "--out", str(tmp_path / "d2"),
                  "--steps", "1", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
-                 "--device", "cpu", "--holdout", "0.1"]) == 0
+                 "--device", "cpu", "--holdout", "0.1", "--no-pack"]) == 0
     assert "held-out agreement with the target (1 of 12 windows held out)" in capsys.readouterr().out
 
 
@@ -236,3 +237,82 @@ def test_holdout_split_and_reported_agreement(multilingual, clips, tmp_path):
     assert 0.0 <= report.agreement_start <= 1.0 and 0.0 <= report.agreement <= 1.0
     with pytest.raises(ValueError, match="holdout"):
         DistillOptions(holdout=1.0)
+
+
+def test_short_files_are_joined_into_full_windows(tmp_path):
+    import numpy as np
+    import soundfile as sf
+
+    from specwhisper.distill import PACK_GAP, WINDOW_SAMPLES, windows_of
+
+    sr, seconds = 16000, {"a": 10, "b": 12, "c": 9, "d": 40, "e": 5}
+    sounds = {}
+    for i, (name, s) in enumerate(seconds.items()):
+        sounds[name] = np.full(s * sr, (i + 1) / 10, dtype=np.float32)
+        sf.write(tmp_path / f"{name}.wav", sounds[name], sr)
+    (tmp_path / "f.wav").write_bytes(b"RIFF not audio")
+    files = audio_files(tmp_path)
+    skipped = []
+    packed = [([p.stem for p in paths], w, audio) for paths, w, audio in windows_of(files, True, skipped)]
+    assert [(names, w) for names, w, _ in packed] == [(["a", "b"], 0), (["d"], 0), (["d"], 1), (["c", "e"], 0)]
+    assert len(skipped) == 1 and "f.wav: cannot decode" in skipped[0]
+    ab = packed[0][2]  # a, 0.5 s of silence, b: nothing lost, nothing over a window
+    assert ab.size == (10 + 12) * sr + PACK_GAP <= WINDOW_SAMPLES
+    np.testing.assert_allclose(ab[:10 * sr], sounds["a"], atol=1e-4)
+    assert not ab[10 * sr:10 * sr + PACK_GAP].any()
+    np.testing.assert_allclose(ab[10 * sr + PACK_GAP:], sounds["b"], atol=1e-4)
+    assert packed[1][2].size == WINDOW_SAMPLES and packed[2][2].size == 10 * sr  # a long file is cut
+    alone = [([p.stem for p in paths], w) for paths, w, _ in windows_of(files, False, [])]
+    assert alone == [(["a"], 0), (["b"], 0), (["c"], 0), (["d"], 0), (["d"], 1), (["e"], 0)]
+
+
+def test_packed_windows_teach_and_stay_cached(multilingual, clips, tmp_path):
+    engine = Engine(multilingual, device="cpu")
+    opts = replace(OPTS, pack=True)
+    examples = teacher_examples(engine, audio_files(clips), tmp_path / "cache", opts, [])
+    assert len(examples) == 1  # three clips of 4-5 s: one window
+    again = teacher_examples(engine, audio_files(clips), tmp_path / "cache", opts, [])
+    assert again[0].tokens == examples[0].tokens and len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_the_best_held_out_draft_is_the_one_saved(multilingual, clips, tmp_path):
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(4):
+        for path in clips.iterdir():
+            shutil.copy(path, many / f"{i}-{path.name}")
+    opts = replace(OPTS, steps=6, lr=3e-2, holdout=0.25, eval_every=1, ema=0.0)  # a rate that wanders
+    out = tmp_path / "draft"
+    report = distill(multilingual, many, out, opts)
+    scores = [(0, report.agreement_start)] + report.curve
+    assert [s for s, _ in report.curve] == list(range(1, 7))
+    best = max(scores, key=lambda s: s[1])  # the first of equals
+    assert (report.best_step, report.agreement) == best
+    assert best[0] != 6 and best[1] > report.curve[-1][1], scores  # the choice matters in this run
+    # the saved folder is that draft: its own agreement on the held-out windows
+    engine = Engine(multilingual, device="cpu")
+    examples = teacher_examples(engine, audio_files(many), out / ".distill_cache", opts, [])
+    held = split_holdout(examples, opts)[1]
+    saved = load_whisper(out).decoder
+    assert agreement(saved, held, engine.target.tokenizer.eot, engine.target.suppress) == pytest.approx(best[1])
+
+    # a resumed run keeps the best seen before it
+    more = distill(multilingual, many, out, replace(opts, steps=8))
+    assert more.step == 8 and [s for s, _ in more.curve] == [7, 8]
+    assert more.agreement == max(best[1], *(a for _, a in more.curve))
+
+
+def test_the_draft_is_the_moving_average_of_the_trained_weights(multilingual, clips, tmp_path):
+    out = tmp_path / "draft"
+    distill(multilingual, clips, out, replace(OPTS, steps=1, holdout=0.0, ema=0.99))
+    trained = torch.load(out / ".distill_state.pt", weights_only=True)["decoder"]
+    start = init_draft_decoder(load_whisper(multilingual), OPTS.layers).state_dict()
+    saved = weights(out)
+    decay = 2 / 11  # the decay's warm-up after one step: min(0.99, (1 + 1) / (10 + 1))
+    name = "layers.0.fc1.weight"
+    torch.testing.assert_close(saved[f"model.decoder.{name}"], decay * start[name] + (1 - decay) * trained[name])
+    assert not torch.equal(trained[name], start[name])
+    # frozen tensors are the target's
+    assert torch.equal(saved["model.decoder.embed_tokens.weight"], start["embed_tokens.weight"])
+    with pytest.raises(ValueError, match="ema"):
+        DistillOptions(ema=1.0)
