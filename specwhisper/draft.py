@@ -153,8 +153,9 @@ class DraftLength:
       speculation is off never pay it), is compared with that of plain target steps. One plain step every 16
       speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
       probe keeps the speculative rate fresh, after 16 plain steps and then, while probes keep
-      losing, after twice as many each time (a probe may pay the draft's whole setup). Until
-      both rates are measured the model above decides (speculate when its best gain exceeds 1).
+      losing, after twice as many each time (a probe may pay the draft's whole setup). The first
+      iteration is a plain step, so the model above (speculate when its best gain exceeds 1)
+      decides only the first speculative one.
     The estimates live in the engine's drafter, so they carry over between calls.
     """
 
@@ -174,7 +175,9 @@ class DraftLength:
         self.plain = None  # running (tokens, seconds) of plain target steps
         self.spec_iters = 0
         self.probe_every = self.until_probe = self.REFRESH  # plain steps between probes (backs off)
-        self.k = fixed if fixed is not None else 4
+        # adaptive: a plain step first, so that from the first speculative iteration on the two
+        # measured rates decide (the model alone kept a self draft on for a window and a half)
+        self.k = fixed if fixed is not None else 0
         self.reach = [0.0] * (MAX_K + 1)  # running count of proposals j reached (the j - 1 before accepted)
         self.hit = [0.0] * (MAX_K + 1)  # ... and of those accepted
 
