@@ -215,7 +215,8 @@ def cmd_distill(args) -> int:
         print(f"held-out agreement with the target ({report.held_out} of {report.held_out + report.examples} "
               f"windows held out): {report.agreement_start:.3f} "
               f"before training, {report.agreement:.3f} saved, from step {report.best_step} (the expected "
-              f"greedy acceptance per proposal; the best of the checks every {args.eval_every} steps)")
+              f"greedy acceptance per proposal; the best of "
+              + (f"the checks every {args.eval_every} steps)" if args.eval_every else "the start and the end)"))
     return 0
 
 
