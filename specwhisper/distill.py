@@ -278,15 +278,22 @@ def split_holdout(examples: list[Example], opts: DistillOptions) -> tuple[list[E
 
 @torch.no_grad()
 def agreement(decoder: Decoder, examples: list[Example], eot: int, suppress: torch.Tensor | None = None,
-              batch_size: int = 8) -> float:
+              batch_size: int = 8, cross: dict | None = None) -> float:
     """Share of the teacher's labels (tokens, and EOT where emitted) that the draft's argmax
-    predicts under teacher forcing: its expected greedy acceptance rate per proposal."""
+    predicts under teacher forcing: its expected greedy acceptance rate per proposal. `cross`, when
+    given, keeps each batch's cross K/V for the next call on the same examples (their projections
+    are frozen while training)."""
     param = next(decoder.parameters())
     hits = total = 0
     for at in range(0, len(examples), batch_size):
         chunk = examples[at:at + batch_size]
-        features = torch.stack([e.features for e in chunk]).to(param.device, param.dtype)
-        k, v = cross_kv(decoder, features)
+        if cross is None or at not in cross:
+            features = torch.stack([e.features for e in chunk]).to(param.device, param.dtype)
+            k, v = cross_kv(decoder, features)
+            if cross is not None:
+                cross[at] = k, v
+        else:
+            k, v = cross[at]
         seqs = [e.prompt + [eot if t == EOT_MARK else t for t in e.labels] for e in chunk]
         T = max(len(s) for s in seqs) - 1
         inputs = torch.full((len(chunk), T), eot, dtype=torch.long)
@@ -464,22 +471,23 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     decoder = init_draft_decoder(engine.target.model, opts.layers)
     del engine  # the teacher's decoder and caches are no longer needed
     decoder.to(device)
+    held_cross = {}  # the held-out windows' cross K/V, computed at the first check
     if held:
-        report.agreement_start = agreement(decoder, held, eot, suppress)
+        report.agreement_start = agreement(decoder, held, eot, suppress, cross=held_cross)
     decoder.train()
     params = [p for p in decoder.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.98), eps=1e-6,
                                   weight_decay=opts.weight_decay)
     state_path = out / STATE_FILE
     step = 0
-    # the best held-out agreement seen: (agreement, step, weights); a draft trained past its best
-    # (a few hundred windows are learned by heart) is not the one saved
     trained = [name for name, p in decoder.named_parameters() if p.requires_grad]
 
     def weights():  # the trained tensors (the frozen ones are the target's)
         state = decoder.state_dict()
         return {name: state[name].detach().clone() for name in trained}
 
+    # the best held-out agreement seen: (agreement, step, weights); a draft trained past its best
+    # (a few hundred windows are learned by heart) is not the one saved
     best = (report.agreement_start, 0, weights()) if held else None
     # with a constant rate the weights wander around a minimum (held-out agreement moves by ± 0.05
     # between checks); their moving average sits nearer to it
@@ -505,13 +513,12 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
         trained_now, candidate = weights(), draft()
         decoder.load_state_dict(candidate, strict=False)
         decoder.eval()
-        score = agreement(decoder, held, eot, suppress)
+        score = agreement(decoder, held, eot, suppress, cross=held_cross)
         decoder.train()
         decoder.load_state_dict(trained_now, strict=False)
         report.curve.append((step, score))
         if score > best[0]:
             best = (score, step, candidate)
-        return score
 
     def checkpoint():
         tmp = state_path.with_suffix(".tmp")
