@@ -1,9 +1,11 @@
 """Packaging glue that pyproject.toml cannot express.
 
 - `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`.
-- `csrc/` ships as package data; the optional C++/CUDA extension `specwhisper._C` is built
-  just in time with ninja on first use (see specwhisper/ops.py), so `pip install`
-  compiles nothing and the package works without a compiler.
+- `csrc/` ships as package data (`specwhisper.csrc`); the C++ extensions `specwhisper_C`
+  (sampling ops, specwhisper/ops.py) and `specwhisper_decode_ops` (decoder-step ops,
+  specwhisper/cpu_ops.py) are built just in time with ninja on first use, from the checkout's
+  `csrc/` or, installed, from that package data: `pip install` compiles nothing, and the
+  package works (with PyTorch ops and one warning) without a compiler.
 """
 from setuptools import setup
 
@@ -17,7 +19,7 @@ setup(
     },
     package_data={
         "specwhisper.csrc": ["*.cpp", "*.cu", "*.h"],
-        "specwhisper.samples": ["*.wav", "*.json", "*.txt", "*.sh"],
+        "specwhisper.samples": ["*.wav", "*.flac", "*.json", "*.txt", "*.sh"],
     },
     include_package_data=True,
 )

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.resources
 import os
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "decode_ops.cpp"
 _use_reference = False
 
 
@@ -178,7 +177,7 @@ def _ops():
 def _build() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
-    from .ops import build_dir  # one build folder for every just-in-time extension
+    from .ops import build_dir, csrc_dir  # one build folder and one source folder for every extension
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -187,5 +186,6 @@ def _build() -> None:
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into this
     # extension; without the flag every op silently runs on one thread (half the bandwidth here)
     cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
-    load(name="specwhisper_decode_ops", sources=[str(_SOURCE)], build_directory=str(directory),
-         extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    with importlib.resources.as_file(csrc_dir() / "decode_ops.cpp") as source:
+        load(name="specwhisper_decode_ops", sources=[str(source)], build_directory=str(directory),
+             extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -1,5 +1,6 @@
 """The draft side of speculative decoding: proposing k tokens, acceptance, cache bookkeeping, and
-the adaptive choice of k. The engine drives it; see the glossary in engine.py."""
+the adaptive choice of k. The runner drives its steps (the glossary is in runner.py), the engine
+asks `DraftLength` for each iteration's k."""
 from __future__ import annotations
 
 import torch

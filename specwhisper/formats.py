@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from .languages import LANGUAGES
 from .results import Transcription
 
 FORMATS = ("txt", "srt", "vtt", "json", "verbose_json")
@@ -12,8 +13,6 @@ def language_name(code: str | None) -> str | None:
     """'en' -> 'english' (OpenAI's verbose_json names languages in full)."""
     if code is None:
         return None
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
     return LANGUAGES.get(code, code)
 
 

@@ -259,7 +259,7 @@ def _build_cpp_extension() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
     with contextlib.ExitStack() as stack:
-        csrc = _csrc_dir()
+        csrc = csrc_dir()
         sources = [str(stack.enter_context(importlib.resources.as_file(csrc / f)))
                    for f in _SOURCES]
         headers = [stack.enter_context(importlib.resources.as_file(csrc / f)) for f in _HEADERS]
@@ -276,11 +276,11 @@ def _build_cpp_extension() -> None:
              verbose=False)
 
 
-def _csrc_dir():
-    try:
-        resources = importlib.resources.files("specwhisper.csrc")
-        if all((resources / f).is_file() for f in _SOURCES + _HEADERS):
-            return resources
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return _REPO_ROOT / "csrc"
+def csrc_dir():
+    """The C++ sources: `<repo>/csrc` in a source checkout (a checkout builds its own sources even
+    when another copy of specwhisper is installed), else the installed package data
+    `specwhisper.csrc` (a wheel or `pip install .`)."""
+    repo = _REPO_ROOT / "csrc"
+    if all((repo / f).is_file() for f in _SOURCES + _HEADERS):
+        return repo
+    return importlib.resources.files("specwhisper.csrc")

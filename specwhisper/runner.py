@@ -141,11 +141,12 @@ class Runner:
                 t[:, dst] = t[:, src]
         hosts = [self.host_options, self.host_n, self.host_budget]
         if self.drafter is not None:
-            hosts.append(self.draft_pending)
-            self.draft_pending[src] = None
+            hosts.append(self.draft_pending)  # a row whose draft has not started yet keeps it
         for host in hosts:
             host[dst] = host[src]
         self.host_options[src] = None
+        if self.drafter is not None:
+            self.draft_pending[src] = None
 
     # ---------------------------------------------------------------- admission
     @torch.inference_mode()

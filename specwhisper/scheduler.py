@@ -75,7 +75,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- admission
     def schedule(self) -> list[Request]:
-        """Admit waiting windows into free slots (encoder, language, prefill) -> the admitted."""
+        """Admit waiting windows into free slots (encoder, language, prefill) -> the admitted.
+
+        A request whose admission raises (its job, the encoder, language detection, the prefill:
+        out of memory, a bad window) ends with that exception and leaves no slot behind; the
+        others are admitted as usual."""
         free = self.runner.max_batch - len(self.running)
         joining = []
         while self.waiting and len(joining) < free:
@@ -84,34 +88,56 @@ class Scheduler:
                 if not req.future.set_running_or_notify_cancel():
                     continue  # cancelled while waiting
                 req.started = time.perf_counter()
-                req.window = req.job.next_window()
+                if not self._try(req, lambda r: setattr(r, "window", r.job.next_window())):
+                    continue
             joining.append(req)
-        if not joining:
-            return []
-        fresh = [r for r in joining if r.window.features is None]
-        for r in fresh:
-            # one window at a time: a batched encoder GEMM may round a row differently with other
-            # rows beside it, and a request's tokens must not depend on its neighbours (on this
-            # CPU, batching the encoder gains nothing: it is compute-bound)
-            f = self.runner.encode(r.window.mel[None])[0]
-            r.window.features = f
-            if hasattr(r.job, "keep_features"):  # fallback retries reuse the encoder output
-                r.job.keep_features(f)
+        # one window at a time: a batched encoder GEMM may round a row differently with other rows
+        # beside it, and a request's tokens must not depend on its neighbours (on this CPU,
+        # batching the encoder gains nothing: it is compute-bound)
+        joining = [r for r in joining if r.window.features is not None or self._try(r, self._encode)]
         detect = [r for r in joining if r.window.language is None and self.runner.target.tokenizer.multilingual]
         if detect:
-            codes = self.runner.detect_language(torch.stack([r.window.features for r in detect]))
-            for r, code in zip(detect, codes):
-                r.window.language = code
-        for req in joining:
-            spec = req.window.spec(req.window.language)
-            reason = self.draft_skip(spec.language, spec.task) if self.runner.drafter is not None else None
-            if reason is not None:
-                spec.use_draft = False
-                req.stats.draft_skipped = reason
-            slot = len(self.running)
-            self.running.append(req)
-            self.runner.admit(slot, spec, req.window.features, req.window.mel)
-        return joining
+            try:
+                codes = self.runner.detect_language(torch.stack([r.window.features for r in detect]))
+            except Exception as exc:
+                for r in detect:
+                    self._fail(r, exc)
+                joining = [r for r in joining if r not in detect]
+            else:
+                for r, code in zip(detect, codes):
+                    r.window.language = code
+        return [r for r in joining if self._try(r, self._admit)]
+
+    def _encode(self, req: Request) -> None:
+        f = self.runner.encode(req.window.mel[None])[0]
+        req.window.features = f
+        if hasattr(req.job, "keep_features"):  # fallback retries reuse the encoder output
+            req.job.keep_features(f)
+
+    def _admit(self, req: Request) -> None:
+        spec = req.window.spec(req.window.language)
+        reason = self.draft_skip(spec.language, spec.task) if self.runner.drafter is not None else None
+        if reason is not None:
+            spec.use_draft = False
+            req.stats.draft_skipped = reason
+        slot = len(self.running)
+        self.runner.admit(slot, spec, req.window.features, req.window.mel)
+        self.running.append(req)  # only once the slot is filled
+
+    def _try(self, req: Request, admission_step) -> bool:
+        """Run one admission step for `req` -> whether it succeeded (else the request failed)."""
+        try:
+            admission_step(req)
+        except Exception as exc:
+            self._fail(req, exc)
+            return False
+        return True
+
+    @staticmethod
+    def _fail(req: Request, exc: BaseException) -> None:
+        req.window = None
+        if not req.future.done():
+            req.future.set_exception(exc)
 
     # ---------------------------------------------------------------- leaving
     def postprocess(self, progress: torch.Tensor) -> None:

@@ -15,6 +15,17 @@ from dataclasses import dataclass
 import torch
 
 MIN_SHARED_TEXT = 0.25  # refuse pairs where fewer target text tokens have a draft equivalent
+N_TIMESTAMPS = 1501  # <|0.00|> ... <|30.00|>, 0.02 s apart, in every Whisper vocabulary
+
+
+def token_strings(tok) -> dict:
+    """Token string -> id over the model's whole vocabulary: the tokenizer.json entries, plus the
+    timestamp tokens that some tokenizer.json files (converted English-only ones) do not spell
+    out, though the model has them (they follow <|notimestamps|>)."""
+    vocab = dict(tok.backend.get_vocab(with_added_tokens=True))
+    for i in range(N_TIMESTAMPS):
+        vocab.setdefault(f"<|{i * 0.02:.2f}|>", tok.timestamp_begin + i)
+    return vocab
 
 
 @dataclass(frozen=True)
@@ -29,8 +40,7 @@ class VocabMap:
 
     @classmethod
     def build(cls, draft_tok, target_tok, draft_name="draft", target_name="target") -> "VocabMap":
-        dv = draft_tok.backend.get_vocab(with_added_tokens=True)
-        tv = target_tok.backend.get_vocab(with_added_tokens=True)
+        dv, tv = token_strings(draft_tok), token_strings(target_tok)
         if dv == tv:
             return cls(True, None, None, None, None, None, 1.0)
         text = [s for s, i in tv.items() if i < target_tok.eot]

@@ -1,6 +1,7 @@
 """Word error rate on Whisper-normalized English text.
 
-`normalize` is Whisper's `EnglishTextNormalizer` as shipped by `transformers`: lower case, no
+`normalize` is Whisper's `EnglishTextNormalizer` as shipped by `transformers` (or, without it,
+openai-whisper's, which includes the spelling table below): lower case, no
 punctuation, contractions and titles expanded ("it's" -> "it is", "mr." -> "mister"), spelled-out
 numbers turned into digits ("seventy-two" -> "72"), currencies and percentages standardized.
 
@@ -21,8 +22,15 @@ from pathlib import Path
 def english_normalizer(spelling_mapping: str | Path | None = None):
     """Whisper's English normalizer; `spelling_mapping` is an optional `normalizer.json`
     (British -> American spellings); None builds it with an empty table (works offline)."""
-    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
-
+    try:
+        from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+    except ImportError:
+        try:  # openai-whisper ships the same normalizer (with its spelling table built in)
+            from whisper.normalizers import EnglishTextNormalizer as OpenAINormalizer
+        except ImportError:
+            raise ImportError("word error rates need Whisper's English normalizer, from `transformers` or "
+                              "`openai-whisper`: pip install 'specwhisper[bench]'") from None
+        return OpenAINormalizer()
     mapping = {}
     if spelling_mapping is not None:
         mapping = json.loads(Path(spelling_mapping).read_text(encoding="utf-8"))

@@ -1,0 +1,170 @@
+"""Every combination of the real fetched pairs decodes (or, only where the target itself cannot
+serve the request, refuses with a clear ValueError), and the engine core's failure modes are
+covered on real models: a row moved during compaction keeps its pending draft, and a request whose
+admission raises ends with that exception while the engine goes on serving.
+
+Targets and drafts are the real checkpoints (base: multilingual BPE, 51865 ids; tiny.en: GPT-2 BPE,
+51864 ids, its timestamp tokens not spelled in tokenizer.json): synthetic vocabularies alone have
+hidden construction crashes before."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import real_folder
+from specwhisper import Engine, load_audio, log_mel_spectrogram
+from specwhisper.samples import sample_paths
+
+pytestmark = pytest.mark.real
+
+MAX_NEW = 6  # enough tokens to draft, verify and accept a few times, cheap on every CPU
+OPTIONS = {
+    "greedy": dict(language="en"),
+    "sampled": dict(language="en", temperature=0.7, seed=3),
+    "translate": dict(language="de", task="translate"),
+    "detect": dict(language=None),
+    "one-token": dict(language="en", max_new_tokens=1),
+}
+
+
+@pytest.fixture(scope="module")
+def mels():
+    return torch.stack([log_mel_spectrogram(load_audio(p), n_mels=80) for p in sample_paths()[:2]])
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {}  # (target, dtype, option) -> the target-only transcriptions of both windows
+
+
+def other(name):
+    return {"base": "tiny.en", "tiny.en": "base"}[name]
+
+
+def memoize_encoder(encoder) -> None:
+    """Each window's encoder output computed once per model: these tests decode the same two
+    windows dozens of times, and what they check is decoding (the encoder is tested elsewhere)."""
+    forward, outputs = encoder.forward, {}
+
+    def cached(mel):
+        key = (tuple(mel.shape), mel.dtype, hash(mel.float().cpu().numpy().tobytes()))
+        if key not in outputs:
+            outputs[key] = forward(mel)
+        return outputs[key]
+
+    encoder.forward = cached
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made = {}
+
+    def get(target, draft, dtype):
+        key = (target, draft, dtype)
+        if key not in made:
+            folder = real_folder(target)
+            draft_folder = {None: None, "self": folder}.get(draft) or (real_folder(draft) if draft else None)
+            engine = Engine(folder, draft=draft_folder, dtype=dtype, max_batch=2, background=False)
+            memoize_encoder(engine.target.model.encoder)
+            if engine.drafter is not None:
+                memoize_encoder(engine.drafter.draft.model.encoder)
+            made[key] = engine
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize("target,draft,dtype", [
+    (t, d, dt) for t, d, dt in itertools.product(["base", "tiny.en"], ["other", "self", None],
+                                                  [torch.float32, torch.bfloat16])])
+def test_every_combination_decodes_or_refuses_clearly(target, draft, dtype, engines, mels, references):
+    """Each option single and batched: the same tokens as the target alone (greedy; sampled with
+    the same seed), or the target's own clear refusal (translation by an English-only target)."""
+    draft_name = other(target) if draft == "other" else draft
+    engine = engines(target, draft_name, dtype)
+    alone = engines(target, None, dtype)
+    english_only = target == "tiny.en"
+    for name, opts in OPTIONS.items():
+        opts = {"max_new_tokens": MAX_NEW, **opts}
+        if english_only and name == "translate":
+            with pytest.raises(ValueError, match="translat|English|language"):
+                engine.transcribe(mels[0], **opts)
+            continue
+        single = engine.transcribe(mels[0], **opts)
+        batched = engine.transcribe(mels, **opts)
+        assert len(batched) == 2
+        assert single.tokens == batched[0].tokens, (name, target, draft_name)  # batch invariance
+        if draft_name is None:
+            assert single.stats.drafted == 0
+            continue
+        reference = references.get((target, dtype, name))
+        if reference is None:
+            reference = references[target, dtype, name] = alone.transcribe(mels, **opts)
+        assert [b.tokens for b in batched] == [r.tokens for r in reference], (name, target, draft_name)
+        assert single.tokens == reference[0].tokens, (name, target, draft_name)
+
+
+def test_english_only_target_with_multilingual_draft_maps_every_token():
+    """tiny.en drafted by base: the English-only tokenizer.json lists 50364 tokens, the model has
+    51864 (its timestamps are unspelled); every target id has a row in the draft tables, and the
+    timestamp tokens map to base's own timestamps by string."""
+    engine = Engine(real_folder("tiny.en"), draft=real_folder("base"), background=False)
+    d = engine.drafter
+    assert d.target_to_draft.shape[0] == engine.target.config.vocab_size == 51864
+    t_ts, d_ts = engine.target.tokenizer.timestamp_begin, d.draft.tokenizer.timestamp_begin
+    assert d.target_to_draft_len[t_ts] == 1 and int(d.target_to_draft[t_ts, 0]) == d_ts
+    assert int(d.draft_to_target[d_ts + 1500]) == t_ts + 1500
+
+
+def test_moved_row_keeps_its_pending_draft(mels):
+    """base drafted by tiny.en with the adaptive k, which starts with a plain step: the short
+    request finishes in that step, the long one is moved into its slot before its draft started.
+    It must still draft (and decode exactly the target's tokens)."""
+    target = real_folder("base")
+    engine = Engine(target, draft=real_folder("tiny.en"), max_batch=2, background=False)
+    short = engine.submit(mels[0], language="en", max_new_tokens=2)
+    long = engine.submit(mels[1], language="en", max_new_tokens=24)
+    engine.step()  # admission, then the adaptive k's plain step: `short` ends, `long` moves to slot 0
+    assert short.done() and len(engine.scheduler.running) == 1
+    assert engine.runner.draft_pending[0] is not None
+    engine.run_until([long])
+    assert long.result().stats.draft_passes > 0
+    expected = Engine(target, background=False).transcribe(mels[1], language="en", max_new_tokens=24)
+    assert long.result().tokens == expected.tokens
+
+
+@pytest.mark.parametrize("stage", ["encode", "detect_language", "admit"])
+def test_failed_admission_ends_its_requests_and_the_engine_serves_on(stage, mels, monkeypatch):
+    """An admission step that raises (out of memory, a bad window) ends the requests it was for
+    with that exception; a request already running is unaffected; the next request decodes."""
+    engine = Engine(real_folder("base"), draft=real_folder("tiny.en"), max_batch=4, background=False)
+    runner = engine.runner
+    first = engine.submit(mels[0], language="en", max_new_tokens=MAX_NEW)
+    engine.step()
+    assert len(engine.scheduler.running) == 1
+    real = getattr(runner, stage)
+
+    def broken(*args, **kwargs):
+        raise MemoryError(f"injected failure in {stage}")
+
+    monkeypatch.setattr(runner, stage, broken)
+    failing = [engine.submit(m, language=None if stage == "detect_language" else "en", max_new_tokens=MAX_NEW)
+               for m in mels]
+    for _ in range(100):  # bounded: a stranded request would make run_until spin forever
+        if all(f.done() for f in [first] + failing):
+            break
+        engine.step()
+    assert all(f.done() for f in [first] + failing)
+    monkeypatch.undo()
+    assert getattr(runner, stage) == real
+    for f in failing:
+        with pytest.raises(MemoryError, match=stage):
+            f.result(timeout=0)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    alone = Engine(real_folder("base"), background=False)
+    assert first.result().tokens == alone.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW).tokens
+    later = engine.submit(mels[1], language="en", max_new_tokens=MAX_NEW)
+    engine.run_until([later])
+    assert later.result().tokens == alone.transcribe(mels[1], language="en", max_new_tokens=MAX_NEW).tokens
