@@ -40,8 +40,8 @@ from . import __version__
 from .admission import Admission, UploadGuard
 from .api_errors import ApiError, error_responses, install_error_handlers
 from .audio import SAMPLE_RATE, decode_audio_bytes
-from .memory_release import IdleTrimmer
 from .formats import render, to_verbose_json
+from .memory_release import IdleTrimmer
 from .server_metrics import ServerMetrics
 
 log = logging.getLogger("specwhisper.server")
@@ -52,6 +52,8 @@ ROUTES = (*AUDIO_ROUTES, "/v1/models", "/health", "/metrics", "/openapi.json", "
 MAX_SEED = 2**63 - 1
 MIN_AUDIO_SECONDS = 0.1  # OpenAI's minimum; shorter uploads get 400 audio_too_short
 AUDIO_THREADS = 2  # threads decoding uploads (few threads: few glibc arenas hold their garbage)
+TEMPERATURE_DEFAULT = ("unset: the engine's default, 0 for audio up to 30 s; longer audio (or a prompt) falls "
+                       "back through 0, 0.2, ..., 1 as openai-whisper's transcribe()")
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,7 @@ def common_fields(
     prompt: Annotated[str | None, Form(description="text to condition on; 400 until the engine takes "
                                                    "initial_prompt")] = None,
     response_format: Annotated[ResponseFormat, Form()] = "json",
-    temperature: Annotated[float | None, Form(ge=0.0, le=1.0, description="unset: the engine's default (0 for "
-                                                                        "audio up to 30 s; longer audio falls back "
-                                                                        "through 0, 0.2, ..., 1 as openai-whisper)")] = None,
+    temperature: Annotated[float | None, Form(ge=0.0, le=1.0, description=TEMPERATURE_DEFAULT)] = None,
     top_p: Annotated[float, Form(gt=0.0, le=1.0, description="nucleus mass when sampling (extension)")] = 1.0,
     seed: Annotated[int | None, Form(ge=0, le=MAX_SEED, description="sampling seed (extension)")] = None,
     num_draft_tokens: Annotated[int | None, Form(ge=1, le=16, description="draft tokens per verify pass; "

@@ -99,7 +99,7 @@ def test_killed_driver_leaves_no_ray_processes_and_the_job_resumes(tmp_path, aud
         seen = ray_descendants(process)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
-        gone, alive = psutil.wait_procs(seen, timeout=30)
+        _, alive = psutil.wait_procs(seen, timeout=30)
         assert not alive, [f"{p.pid} {p.name()}" for p in alive]
     finally:
         if driver.poll() is None:
