@@ -128,6 +128,25 @@ def test_the_audio_limit_is_settable(engine):
         assert "limit of 60 s" in error["message"] and time.perf_counter() - start < 2.0
 
 
+# ---------------------------------------------------------------- streaming decode
+def test_decode_grows_past_a_short_declared_duration_and_stops_at_the_limit_without_one(monkeypatch):
+    """The buffer sized from the declared duration grows when the file holds more (same samples
+    as an honest file), and a file declaring no duration is cut off at the limit while decoding."""
+    from specwhisper import audio
+
+    body = SAMPLE.read_bytes()
+    honest = audio.decode_audio_bytes(body)
+    monkeypatch.setattr(audio, "declared_seconds", lambda container, stream: 0.2)
+    np.testing.assert_array_equal(audio.decode_audio_bytes(body), honest)
+    monkeypatch.setattr(audio, "declared_seconds", lambda container, stream: None)
+    np.testing.assert_array_equal(audio.decode_audio_bytes(body), honest)
+    with pytest.raises(ValueError, match="longer than the limit of 1 s"):
+        audio.decode_audio_bytes(body, max_seconds=1.0)
+    with pytest.raises(ValueError, match="channels"):
+        monkeypatch.setattr(audio, "MAX_CHANNELS", 0)
+        audio.decode_audio_bytes(body)
+
+
 # ---------------------------------------------------------------- silence, defaults
 def test_silence_gives_no_text(url, engine):
     """A tenth of a second of silence without a language, and 10 minutes of it: empty text, no
