@@ -1,8 +1,10 @@
 """Load and size limits of the HTTP server: `Admission` bounds the requests in flight (429 past
 it), `UploadGuard` is the outermost ASGI layer (413 for oversized bodies, an early 429 before an
-upload is read, request metrics by route and status)."""
+upload is read, 408 for a body that does not arrive within the read timeout, request metrics by
+route and status)."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import Future
@@ -14,10 +16,12 @@ RETRY_AFTER_SECONDS = 1
 
 class Admission:
     """Admitted requests, bounded; released from engine threads when a request's Future is done.
-    Also tracks live Futures so metrics can tell queued from running transcriptions."""
+    Also tracks live Futures so metrics can tell queued from running transcriptions.
+    `on_idle()` is called (outside the lock) each time the count returns to 0."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, on_idle=None):
         self.limit = limit
+        self.on_idle = on_idle
         self.count = 0
         self._futures: set[Future] = set()
         self._lock = threading.Lock()
@@ -32,6 +36,9 @@ class Admission:
     def release(self, n: int = 1) -> None:
         with self._lock:
             self.count -= n
+            idle = self.count == 0
+        if idle and self.on_idle is not None:
+            self.on_idle()
 
     def full(self) -> bool:
         return self.count >= self.limit
@@ -49,6 +56,9 @@ class Admission:
             with self._lock:
                 self._futures.discard(f)
                 self.count -= 1
+                idle = self.count == 0
+            if idle and self.on_idle is not None:
+                self.on_idle()
         future.add_done_callback(done)  # runs at once (outside the lock) if already done
 
     def waiting(self) -> int:
@@ -63,12 +73,15 @@ class Admission:
 class UploadGuard:
     """Pure-ASGI middleware: 413 for bodies over `max_upload_bytes` (at once from Content-Length,
     and counted while chunked uploads stream), 429 for POSTs to `audio_routes` while `admission`
-    is full (before their upload is read), and `metrics.observe_request` for every request."""
+    is full (before their upload is read), 408 when the whole body has not arrived `read_timeout`
+    seconds after the request started (a slow or stalled sender holds no slot for long), and
+    `metrics.observe_request` for every request."""
 
     def __init__(self, app, admission: Admission, metrics, max_upload_bytes: int,
-                 audio_routes: tuple, known_routes: tuple):
+                 audio_routes: tuple, known_routes: tuple, read_timeout: float | None = None):
         self.app, self.admission, self.metrics = app, admission, metrics
         self.max_upload_bytes, self.audio_routes, self.known_routes = max_upload_bytes, audio_routes, known_routes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -107,12 +120,21 @@ class UploadGuard:
         return error_response(e.status_code, e.message, e.param, e.code, {**e.headers, "Connection": "close"})
 
     def limited(self, receive):
-        total = 0
+        total, body_done = 0, False
+        deadline = None if self.read_timeout is None else time.monotonic() + self.read_timeout
 
         async def receive_limited():
-            nonlocal total
-            message = await receive()
+            nonlocal total, body_done
+            if body_done or deadline is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"the request body did not arrive within {self.read_timeout:g} s",
+                                   code="request_timeout", headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 total += len(message.get("body", b""))
                 if total > self.max_upload_bytes:
                     raise self.too_large(f"the request body exceeds {self.max_upload_bytes} bytes")

@@ -14,7 +14,8 @@ log = logging.getLogger("specwhisper.server")
 
 # OpenAI's error `type` by status (its SDKs map statuses to exception classes, not types)
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               408: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error",
                499: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 

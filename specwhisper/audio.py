@@ -177,6 +177,19 @@ def log_mel_spectrogram(audio: torch.Tensor | np.ndarray, n_mels: int = 80, padd
     return log_spec[:, :n_frames] if whole else log_spec
 
 
+# Normalized log-mel ((log10 power + 4) / 4) of power 1e-7: louder than digital silence and than
+# 16-bit dither (±1 LSB reaches 10^-7.7), quieter than any audible sound (-60 dBFS noise: 10^-4.5).
+SILENT_LOG_MEL = -0.75
+
+
+def is_silent(mel: torch.Tensor, floor: float | None = None) -> bool:
+    """Whether log-mel frames `[n_mels, frames]` (from `log_mel_spectrogram`) hold no signal:
+    every value below `SILENT_LOG_MEL` (digital silence, dither) or at most `floor`, the
+    recording's clamp level (`mel_full.max() - 2`: nothing within 80 dB of its loudest sound)."""
+    level = SILENT_LOG_MEL if floor is None else max(SILENT_LOG_MEL, floor + 1e-4)
+    return mel.numel() == 0 or float(mel.max()) <= level
+
+
 @functools.lru_cache(maxsize=8)
 def _stft_constants(n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Periodic Hann window `[400]` and Slaney mel filterbank `[n_mels, 201]` on `device`."""
@@ -212,38 +225,86 @@ def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
     return torch.where(mel >= _MIN_LOG_MEL, log_part, 200.0 * mel / 3.0)
 
 
-def decode_audio_bytes(data: bytes, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
-    """Decode an uploaded file's bytes (any container/codec FFmpeg knows) with PyAV to float32
-    mono samples at `sr`, as faster-whisper does. Channels are averaged after resampling, as
-    `load_audio` and the `ffmpeg -ac 1` CLI do (PyAV's own mono downmix keeps 0.707 of each).
+MAX_CHANNELS = 32  # uploads with more channels are refused before decoding
+MAX_SAMPLE_RATE = 384_000  # Hz; higher declared rates are refused before decoding
 
-    Raises ValueError naming the problem for empty, truncated, corrupt or non-audio data, and
-    for audio longer than `max_seconds` (decoding stops there, so a tiny file cannot expand
-    into gigabytes of samples). Blocking and CPU-bound: servers call it off their event loop.
+
+def declared_seconds(container, stream) -> float | None:
+    """The audio's duration as its container declares it (stream, else container header), or
+    None when it declares none (raw streams, some live formats)."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        import av
+
+        return container.duration / av.time_base
+    return None
+
+
+def decode_audio_bytes(data: bytes | BinaryIO, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
+    """Decode an uploaded file (its bytes, or a seekable binary file object) with PyAV to float32
+    mono samples at `sr`, in any container/codec FFmpeg knows, as faster-whisper does. Channels are
+    averaged after resampling, as `load_audio` and the `ffmpeg -ac 1` CLI do (PyAV's own mono
+    downmix keeps 0.707 of each).
+
+    Raises ValueError naming the problem for empty, truncated, corrupt or non-audio data, for
+    more than `MAX_CHANNELS` channels or a sample rate above `MAX_SAMPLE_RATE`, and for audio
+    longer than `max_seconds`: refused from the container's declared duration before any
+    decoding, and, for files that declare none or too little, as soon as the decoded audio passes
+    the limit. Decoding streams into one preallocated 16 kHz mono buffer (sized from the declared
+    duration, grown if the file says less than it holds), so a request holds about its decoded
+    size, never the whole file at its source rate. Blocking and CPU-bound: servers call it off
+    their event loop.
     """
     import av  # the server extra; imported here so the core package does not need it
 
-    data = bytes(data)
-    if not data:
-        raise ValueError("the audio file is empty (0 bytes)")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        if not len(data):
+            raise ValueError("the audio file is empty (0 bytes)")
+        data = io.BytesIO(data)
+    else:
+        data.seek(0, io.SEEK_END)
+        if data.tell() == 0:
+            raise ValueError("the audio file is empty (0 bytes)")
+        data.seek(0)
     limit = None if max_seconds is None else int(max_seconds * sr)
-    chunks, n = [], 0
+    buffer, n = np.empty(0, np.float32), 0
+
+    def append(frame_out) -> None:
+        nonlocal buffer, n
+        planes = frame_out.to_ndarray()  # [channels, samples] float32 (planar)
+        m = planes.shape[1]
+        if n + m > buffer.size:
+            grown = max(n + m, int(buffer.size * 1.5), sr)
+            buffer = np.resize(buffer, grown if limit is None else min(grown, limit + m))
+        np.mean(planes, axis=0, out=buffer[n:n + m])
+        n += m
+        if limit is not None and n > limit:
+            raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
+
     try:
-        with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
+        with av.open(data, mode="r", metadata_errors="ignore") as container:
             if not container.streams.audio:
                 raise ValueError(f"the file ({container.format.name}) contains no audio stream")
             stream = container.streams.audio[0]
+            channels, rate = stream.codec_context.channels, stream.codec_context.sample_rate
+            if channels > MAX_CHANNELS:
+                raise ValueError(f"the audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
+            if rate > MAX_SAMPLE_RATE:
+                raise ValueError(f"the audio's sample rate {rate} Hz is above the limit of {MAX_SAMPLE_RATE} Hz")
+            seconds = declared_seconds(container, stream)
+            if seconds is not None and max_seconds is not None and seconds > max_seconds:
+                raise ValueError(f"the audio is {seconds:.1f} s long, longer than the limit of {max_seconds:g} s")
+            if seconds is not None and seconds > 0:
+                expected = int(seconds * sr) + sr // 10  # the resampler's delay line adds a few samples
+                buffer = np.empty(expected if limit is None else min(expected, limit + 1), np.float32)
             resampler = av.AudioResampler(format="fltp", rate=sr)  # planar, channels kept
             for packet in container.demux(stream):
                 for frame in packet.decode():  # the demuxer's last, empty packet flushes the decoder
                     for out in resampler.resample(frame):
-                        chunks.append(out.to_ndarray().mean(axis=0))  # [channels, n] -> [n]
-                        n += chunks[-1].size
-                    if limit is not None and n > limit:
-                        raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
+                        append(out)
             for out in resampler.resample(None):  # flush the resampler's delay line
-                chunks.append(out.to_ndarray().mean(axis=0))
-                n += chunks[-1].size
+                append(out)
     except av.error.FFmpegError as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise ValueError(f"could not decode the audio (not an audio file, or truncated/corrupt): {reason}") from None
@@ -251,9 +312,7 @@ def decode_audio_bytes(data: bytes, sr: int = SAMPLE_RATE, max_seconds: float | 
         raise ValueError(f"could not decode the audio: {type(exc).__name__}: {exc}") from None
     if n == 0:
         raise ValueError("the file contains no decodable audio samples (empty or truncated)")
-    samples = np.concatenate(chunks).astype(np.float32, copy=False)
-    if limit is not None and samples.size > limit:
-        raise ValueError(f"the audio is longer than the limit of {max_seconds:g} s")
+    samples = buffer[:n] if n > 0.9 * buffer.size else buffer[:n].copy()  # no large unused tail kept
     if not np.isfinite(samples).all():
         raise ValueError("the decoded audio contains non-finite samples (NaN or inf)")
     return samples

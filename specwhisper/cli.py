@@ -150,27 +150,43 @@ def cmd_serve(args) -> int:
                     device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
                     **engine_options)
     app = create_app(engine, max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                     model_name=args.model_name or Path(args.target).name, max_new_tokens=args.max_new_tokens)
+                     model_name=args.model_name or Path(args.target).name, max_new_tokens=args.max_new_tokens,
+                     max_audio_seconds=args.max_audio_seconds, read_timeout=args.read_timeout or None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
 def cmd_bulk(args) -> int:
-    """Transcribe a folder or glob of audio files on a Ray cluster (see specwhisper/distributed.py)."""
+    """Transcribe a folder or glob of audio files on a Ray cluster (see specwhisper/distributed.py).
+    Errors the user can act on are one line on stderr; the exit code says what happened
+    (distributed.EXIT_*: 0 all done, 1 some files failed, 2 input/options, 3 output folder,
+    4 model folder, 5 Ray)."""
     try:
-        from .distributed import BulkJob, run_bulk
+        from .distributed import EXIT_BAD_INPUT, EXIT_FILES_FAILED, EXIT_MODEL, BulkError, BulkJob, run_bulk
     except ImportError as e:
-        print(e, file=sys.stderr)
+        print(f"specwhisper bulk: {e}", file=sys.stderr)
         return 2
     options = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_draft_tokens", args.k))
                if v is not None}
-    job = BulkJob(args.source, args.out, model_folder(args.target),
-                  model_folder(args.draft) if args.draft else None, language=args.language, device=args.device,
-                  dtype=args.dtype, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
-                  batch_size=args.batch_size, output_format=args.output_format,
-                  retry_failed=args.retry_failed, decode_options=options)
-    print(run_bulk(job, address=args.address).format())
-    return 0
+    try:
+        target, draft = model_folder(args.target), model_folder(args.draft) if args.draft else None
+    except Exception as e:  # a named checkpoint that cannot be fetched
+        print(f"specwhisper bulk: error: cannot get the model: {e}", file=sys.stderr)
+        return EXIT_MODEL
+    try:
+        job = BulkJob(args.source, args.out, target, draft, language=args.language, device=args.device,
+                      dtype=args.dtype, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
+                      batch_size=args.batch_size, output_format=args.output_format,
+                      retry_failed=args.retry_failed, decode_options=options)
+        summary = run_bulk(job, address=args.address)
+    except BulkError as e:
+        print(f"specwhisper bulk: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:  # options the job or the cluster cannot take
+        print(f"specwhisper bulk: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(summary.format())
+    return EXIT_FILES_FAILED if summary.failures else 0
 
 
 def add_bulk_parser(sub) -> None:
@@ -305,6 +321,11 @@ def main(argv=None) -> int:
     s.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
     s.add_argument("--max-upload-mb", type=float, default=25.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=None, help="per-request token cap")
+    s.add_argument("--max-audio-seconds", type=float, default=7200.0,
+                   help="longest audio accepted (400 past it, refused from the file's declared duration "
+                        "before decoding when it has one); bounds the work a small compressed upload can ask for")
+    s.add_argument("--read-timeout", type=float, default=60.0,
+                   help="seconds a request's whole body may take to arrive (408 past it; 0: no limit)")
     s.add_argument("--model-name", default=None, help="name in /v1/models (default: the target's)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)

@@ -110,6 +110,7 @@ class TranscribeOptions:
     top_p: float = 1.0  # nucleus mass kept when sampling (1.0: openai's plain sampling)
     max_initial_timestamp: float | None = 1.0  # seconds: latest first timestamp of a window; None: no limit
     timestamps: bool = True  # predict timestamp tokens (segments); False: one segment per window
+    skip_silence: bool = True  # windows without signal (audio.is_silent) are skipped undecoded; False: openai's way
 
     def __post_init__(self):
         temps = self.temperature

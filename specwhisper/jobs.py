@@ -1,7 +1,10 @@
 """Short-form jobs: one window of at most 30 s decoded with the standard prompt (no timestamps),
-the way `transformers` generate and openai-whisper's `decode()` decode one window."""
+the way `transformers` generate and openai-whisper's `decode()` decode one window. A window
+without signal (`audio.is_silent`: digital silence or dither) is not decoded: its text is empty
+and no language is guessed from it (Whisper turns such windows into confident hallucinations)."""
 from __future__ import annotations
 
+from .audio import is_silent
 from .config import DecodeOptions
 from .results import Segment, Transcription
 from .runner import SeqOutput, SeqSpec
@@ -15,6 +18,7 @@ class ShortJob:
         self.output: SeqOutput | None = None
         self.language = opts.language.lower() if opts.language and tokenizer.multilingual else None
         self.sent = False
+        self.silent = is_silent(mel)
 
     def prompt(self, language: str | None) -> list[int]:
         return self.tok.prompt(language if self.tok.multilingual else self.opts.language, self.opts.task)
@@ -31,12 +35,16 @@ class ShortJob:
         if self.sent:
             return None
         self.sent = True
+        if self.silent:
+            return None
         return Window(self.mel, self.spec, self.language)
 
     def record(self, output: SeqOutput, language: str | None) -> None:
         self.output, self.language = output, language
 
     def result(self) -> Transcription:
+        if self.output is None:  # silent: nothing decoded
+            return Transcription("", [], self.language, segments=[], duration=self.duration)
         tokens = self.output.tokens
         text = self.tok.decode(tokens)
         segment = Segment(0, 0, 0.0, self.duration, text, tokens, self.opts.temperature,
@@ -51,8 +59,9 @@ class LongformRequest:
 
     The job is made once the language is known: with `options.language` None on a multilingual
     target, the first window goes out with language None, the scheduler detects it from that
-    window's encoder output, and the job starts with it (openai detects on the first 30 s too).
-    A window's encoder output is kept for its fallback retries."""
+    window's encoder output, and the job starts with it (openai detects on the first 30 s too;
+    with `skip_silence`, on the first 30 s window that holds signal, and a recording silent
+    throughout gets no language). A window's encoder output is kept for its fallback retries."""
 
     def __init__(self, mel_full, options, tokenizer, seed: int, num_draft_tokens, progress=None):
         from .audio import N_FRAMES, pad_or_trim
@@ -63,9 +72,23 @@ class LongformRequest:
         self.sample_len = None  # tokens per window at most (None: openai's 224)
         self.segments_sent = 0
         self.job = None
+        self.silent_throughout = False  # multilingual, no language given, and no window with signal
         self.request = None  # the WindowRequest being decoded
         self.kept = (None, None)  # (seek, encoder output) of the last window
-        self.first_mel = pad_or_trim(mel_full[:, :min(N_FRAMES, mel_full.shape[-1])], N_FRAMES)
+        self.detect_seek = self._first_sound() if options.skip_silence else 0  # None: silent throughout
+        start = self.detect_seek or 0
+        self.first_mel = pad_or_trim(mel_full[:, start:start + N_FRAMES], N_FRAMES)
+
+    def _first_sound(self) -> int | None:
+        """The mel frame where the first window with signal starts (the job's windows, as it
+        skips silent ones, start at multiples of 30 s until the first is decoded), or None."""
+        from .audio import N_FRAMES, is_silent
+
+        floor = float(self.mel_full.max()) - 2.0
+        for seek in range(0, self.mel_full.shape[-1], N_FRAMES):
+            if not is_silent(self.mel_full[:, seek:seek + N_FRAMES], floor):
+                return seek
+        return None
 
     def _start(self, language):
         from dataclasses import replace
@@ -79,7 +102,10 @@ class LongformRequest:
 
     def next_window(self) -> Window | None:
         if self.job is None and self.options.language is None and self.tok.multilingual:
-            return Window(self.first_mel, self._first_spec, None)
+            if self.detect_seek is not None:
+                return Window(self.first_mel, self._first_spec, None)
+            self._start("en")  # silent throughout: no window is decoded, no language reported
+            self.silent_throughout = True
         if self.job is None:
             self._start(None)
         self.request = self.job.next_window()
@@ -103,7 +129,7 @@ class LongformRequest:
                        num_draft_tokens=self.k, sot_index=prompt.index(self.tok.sot), need_logprobs=True)
 
     def keep_features(self, features) -> None:
-        self.kept = (self.request.seek if self.request is not None else 0, features)
+        self.kept = (self.request.seek if self.request is not None else self.detect_seek, features)
 
     def record(self, output: SeqOutput, language: str | None) -> None:
         from .window import WindowResult
@@ -121,4 +147,7 @@ class LongformRequest:
             self.segments_sent = len(self.job.all_segments)
 
     def result(self) -> Transcription:
-        return self.job.result()
+        out = self.job.result()
+        if self.silent_throughout:
+            out.language = None
+        return out

@@ -5,7 +5,14 @@ to decode next (the same window again at the next temperature after a failed che
 takes its result and moves `seek` by the predicted timestamps, exactly as openai does:
 segments cut at consecutive timestamps, a single timestamp at the end means no speech after it,
 otherwise seek to the last timestamp; windows judged silent are skipped; the previous windows'
-tokens prompt the next one unless a high temperature was needed. The job never decodes: windows
+tokens prompt the next one unless a high temperature was needed.
+
+One addition to openai's loop (`TranscribeOptions.skip_silence`, on by default): a window whose
+audio holds no signal at all (`audio.is_silent`: digital silence or dither, or nothing within
+80 dB of the recording's loudest sound) is skipped without being decoded, as openai's no-speech
+rule skips a silent window it has decoded. Whisper decodes such windows into confident
+hallucinations (" you", "Thank you.") that the rule keeps because their avg_logprob is high;
+windows holding any sound are decoded exactly as openai does. The job never decodes: windows
 of many jobs can share a running batch (`run_job` drives one job sequentially).
 
 Names follow openai's so the two read side by side: seek, segments, all_tokens,
@@ -21,7 +28,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, pad_or_trim
+from .audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, is_silent, pad_or_trim
 from .config import TranscribeOptions
 from .results import Segment, Stats, Transcription
 from .tokenizer import Tokenizer, split_at_timestamps
@@ -61,6 +68,8 @@ class LongformJob:
         self.language = language
         self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
         self.content_frames = mel_full.shape[-1]
+        self.floor = float(mel_full.max()) - 2.0 if self.content_frames else 0.0  # log10 power max - 8, normalized
+        self.silent_windows = 0  # windows skipped undecoded (skip_silence)
         self.duration = float(self.content_frames * HOP_LENGTH / SAMPLE_RATE)
         # openai's `max_initial_timestamp` option: falsy (None or 0.0) means no limit
         mit = options.max_initial_timestamp
@@ -95,9 +104,14 @@ class LongformJob:
             self._attempt += 1
             self._request = self._at_attempt(self._request, self._attempt)
             return self._request
-        if self.seek >= self.content_frames:
+        while self.seek < self.content_frames:
+            self.segment_size = min(N_FRAMES, self.content_frames - self.seek)
+            if not (self.options.skip_silence and self.is_silent_at(self.seek)):
+                break
+            self.seek += self.segment_size  # as openai skips a window judged silent
+            self.silent_windows += 1
+        else:
             return None
-        self.segment_size = min(N_FRAMES, self.content_frames - self.seek)
         mel_segment = pad_or_trim(self.mel[:, self.seek:self.seek + self.segment_size], N_FRAMES)
         previous = self.all_tokens[self.prompt_reset_since:]
         prompt = self.tokenizer.window_prompt(previous, self.language, self.options.task, self.options.timestamps,
@@ -108,6 +122,10 @@ class LongformJob:
             timestamps=self.options.timestamps, max_initial_timestamp=self.max_initial_timestamp_index,
             language=self.language, task=self.options.task, seek=self.seek), 0)
         return self._request
+
+    def is_silent_at(self, seek: int) -> bool:
+        """Whether the window starting at mel frame `seek` holds no signal (see the module docstring)."""
+        return is_silent(self.mel[:, seek:seek + N_FRAMES], self.floor)
 
     def _at_attempt(self, request: WindowRequest, attempt: int) -> WindowRequest:
         # one seed per (job, window, attempt): reruns reproduce, whatever decodes the window

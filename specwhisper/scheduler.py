@@ -90,7 +90,13 @@ class Scheduler:
                 req.started = time.perf_counter()
                 if not self._try(req, lambda r: setattr(r, "window", r.job.next_window())):
                     continue
+                if req.window is None:  # nothing to decode (silent audio): the result at once
+                    self._finish(req)
+                    continue
+            elif self._abandon(req):  # cancelled between two of its windows: its next one never runs
+                continue
             joining.append(req)
+        joining = [r for r in joining if not self._abandon(r)]
         # one window at a time: a batched encoder GEMM may round a row differently with other rows
         # beside it, and a request's tokens must not depend on its neighbours (on this CPU,
         # batching the encoder gains nothing: it is compute-bound)
@@ -139,6 +145,13 @@ class Scheduler:
         if not req.future.done():
             req.future.set_exception(exc)
 
+    @staticmethod
+    def _abandon(req: Request) -> bool:
+        """Whether `req` was cancelled while being decoded (it then fails with CancelledError)."""
+        if req.future.abandoned and not req.future.done():
+            req.future.set_exception(CancelledError("request cancelled while decoding"))
+        return req.future.abandoned
+
     # ---------------------------------------------------------------- leaving
     def postprocess(self, progress: torch.Tensor) -> None:
         """After an iteration: finished rows leave (results recorded, slots compacted)."""
@@ -164,19 +177,23 @@ class Scheduler:
                 if req.window is not None:
                     self.waiting.appendleft(req)  # its next window goes first
                 else:
-                    req.stats.seconds = time.perf_counter() - req.started
-                    try:
-                        result = req.job.result()
-                        result.stats = self._final_stats(req)
-                        req.future.set_result(result)
-                    except BaseException as exc:
-                        req.future.set_exception(exc)
+                    self._finish(req)
         elif req.future.abandoned and not req.future.done():
             req.future.set_exception(CancelledError("request cancelled while decoding"))
         if slot != last:
             self.runner.move(last, slot)
             self.running[slot] = self.running[last]
         self.running.pop()
+
+    def _finish(self, req: Request) -> None:
+        """The job has no window left: its result (or its error) completes the future."""
+        req.stats.seconds = time.perf_counter() - req.started
+        try:
+            result = req.job.result()
+            result.stats = self._final_stats(req)
+            req.future.set_result(result)
+        except BaseException as exc:
+            req.future.set_exception(exc)
 
     def fail_all(self, exc: BaseException) -> None:
         """An iteration raised: every running request fails with it; the slots are freed."""

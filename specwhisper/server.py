@@ -6,22 +6,28 @@ plus `top_p`, `seed`, `num_draft_tokens`, `stream`), `GET /v1/models`, `GET /hea
 
 A request's life: the guard middleware refuses bodies over the upload limit (413) and, when the
 server is full, audio requests before their upload is read (429); the form is validated (OpenAI
-error shape, 400/422); the upload is decoded by PyAV in a worker thread; the waveform goes to
+error shape, 400/422; one `file` only, as OpenAI takes one); the upload is refused from its
+container's declared duration when it is over the limit, else decoded by PyAV, streaming, in one
+of two audio threads (at least 0.1 s of audio, as OpenAI requires); the waveform goes to
 `engine.submit`, whose scheduler batches concurrent requests; the handler awaits the Future while
-watching the connection, and cancels a request whose client left before it started. The server
-only calls the engine's public API, so it embeds anywhere an Engine does.
+watching the connection, and cancels a request whose client left (a queued one never runs, a
+long-form one is not admitted again). When no request is left in flight, freed heap memory goes
+back to the OS (`memory_release`). Unset decoding fields take the engine's defaults (temperature:
+openai's fallback list for long audio). The server only calls the engine's public API, so it
+embeds anywhere an Engine does.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
 import socket
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -33,8 +39,9 @@ from starlette.concurrency import run_in_threadpool
 from . import __version__
 from .admission import Admission, UploadGuard
 from .api_errors import ApiError, error_responses, install_error_handlers
-from .audio import decode_audio_bytes
+from .audio import SAMPLE_RATE, decode_audio_bytes
 from .formats import render, to_verbose_json
+from .memory_release import IdleTrimmer
 from .server_metrics import ServerMetrics
 
 log = logging.getLogger("specwhisper.server")
@@ -43,6 +50,10 @@ ResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
 AUDIO_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations", "/transcribe")
 ROUTES = (*AUDIO_ROUTES, "/v1/models", "/health", "/metrics", "/openapi.json", "/docs")
 MAX_SEED = 2**63 - 1
+MIN_AUDIO_SECONDS = 0.1  # OpenAI's minimum; shorter uploads get 400 audio_too_short
+AUDIO_THREADS = 2  # threads decoding uploads (few threads: few glibc arenas hold their garbage)
+TEMPERATURE_DEFAULT = ("unset: the engine's default, 0 for audio up to 30 s; longer audio (or a prompt) falls "
+                       "back through 0, 0.2, ..., 1 as openai-whisper's transcribe()")
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class ServerOptions:
     model_name: str = "specwhisper"  # the model /v1/models lists and responses echo (`openai-model`)
     max_new_tokens: int | None = None  # per-request token cap passed to the engine (None: its default)
     max_audio_seconds: float = 7200.0  # longest audio decoded; a small compressed file can expand a lot
+    read_timeout: float | None = 60.0  # seconds for a request's whole body to arrive; later gets 408
 
     def __post_init__(self):
         if self.max_queue < 1:
@@ -62,6 +74,8 @@ class ServerOptions:
             raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
         if not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds}")
+        if self.read_timeout is not None and not self.read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0 or None, got {self.read_timeout}")
 
     @property
     def max_upload_bytes(self) -> int:
@@ -76,7 +90,7 @@ class CommonFields:
     model: str | None
     prompt: str | None
     response_format: str
-    temperature: float
+    temperature: float | None
     top_p: float
     seed: int | None
     num_draft_tokens: int | None
@@ -89,7 +103,7 @@ def common_fields(
     prompt: Annotated[str | None, Form(description="text to condition on; 400 until the engine takes "
                                                    "initial_prompt")] = None,
     response_format: Annotated[ResponseFormat, Form()] = "json",
-    temperature: Annotated[float, Form(ge=0.0, le=1.0)] = 0.0,
+    temperature: Annotated[float | None, Form(ge=0.0, le=1.0, description=TEMPERATURE_DEFAULT)] = None,
     top_p: Annotated[float, Form(gt=0.0, le=1.0, description="nucleus mass when sampling (extension)")] = 1.0,
     seed: Annotated[int | None, Form(ge=0, le=MAX_SEED, description="sampling seed (extension)")] = None,
     num_draft_tokens: Annotated[int | None, Form(ge=1, le=16, description="draft tokens per verify pass; "
@@ -106,7 +120,9 @@ class TranscriptionService:
     def __init__(self, engine, options: ServerOptions):
         self.engine = engine
         self.options = options
-        self.admission = Admission(options.max_queue)
+        self.trimmer = IdleTrimmer()
+        self.admission = Admission(options.max_queue, on_idle=self.trimmer.poke)
+        self.audio_threads = ThreadPoolExecutor(AUDIO_THREADS, thread_name_prefix="specwhisper-audio")
         self.metrics = ServerMetrics(lambda: self.admission.count, self.admission.waiting, self.admission.running)
         self.accepts_prompt = "initial_prompt" in inspect.signature(engine.transcribe).parameters
         self.streams_segments = "on_segment" in inspect.signature(engine.submit).parameters
@@ -140,16 +156,25 @@ class TranscriptionService:
 
     # ------------------------------------------------------------ the work
     async def read_audio(self, upload: UploadFile, param: str = "file"):
-        data = await upload.read()
+        """The upload's samples, decoded from its spooled file (never copied whole into memory)
+        in an audio thread; ApiError 400 for what cannot be decoded or is too short."""
         name = upload.filename or param
+        loop = asyncio.get_running_loop()
         try:
-            return await run_in_threadpool(decode_audio_bytes, data, max_seconds=self.options.max_audio_seconds)
+            audio = await loop.run_in_executor(self.audio_threads, functools.partial(
+                decode_audio_bytes, upload.file, max_seconds=self.options.max_audio_seconds))
         except ValueError as exc:
             raise ApiError(400, f"{name}: {exc}", param=param, code="invalid_audio") from None
         except Exception as exc:  # whatever FFmpeg trips on in hostile input is the input's fault
             log.warning("audio decode failed for %s: %r", name, exc)
             raise ApiError(400, f"{name}: could not decode the audio ({type(exc).__name__})", param=param,
                            code="invalid_audio") from None
+        finally:
+            await upload.close()
+        if audio.size < MIN_AUDIO_SECONDS * SAMPLE_RATE:
+            raise ApiError(400, f"{name}: the audio is too short ({audio.size / SAMPLE_RATE:.3f} s); the minimum "
+                           f"audio length is {MIN_AUDIO_SECONDS} s", param=param, code="audio_too_short")
+        return audio
 
     async def submit(self, audio, options: dict) -> Future:
         """`engine.submit` in a worker thread (it may compute the log-mel before queueing); the
@@ -207,6 +232,9 @@ class TranscriptionService:
         return results
 
     async def transcribe(self, request: Request, fields: CommonFields, task: str, language: str | None):
+        if len((await request.form()).getlist("file")) > 1:  # the parsed form, cached by the request
+            raise ApiError(400, "send one audio file per request (several `file` fields were sent); "
+                           "POST /transcribe takes several", param="file", code="invalid_value")
         options = self.decode_options(fields, task, language)
         if not self.admission.try_acquire():
             raise self.admission.busy_error()
@@ -237,6 +265,15 @@ class TranscriptionService:
         if fmt == "verbose_json":
             return JSONResponse(to_verbose_json(result, task), headers=headers)
         return PlainTextResponse(render(result, "txt" if fmt == "text" else fmt, task), headers=headers)
+
+
+# What a transcription route's 200 can be: JSON (json, verbose_json), plain text (text, srt, vtt)
+# or server-sent events (stream=true); documented so clients and schema fuzzers know all three.
+TRANSCRIPTION_CONTENT = {"description": "the transcription: JSON (json, verbose_json), text (text, srt, vtt) "
+                                        "or server-sent events (stream=true)",
+                         "content": {"application/json": {"schema": {"type": "object"}},
+                                     "text/plain": {"schema": {"type": "string"}},
+                                     "text/event-stream": {"schema": {"type": "string"}}}}
 
 
 def _sse_event(payload: dict) -> str:
@@ -305,23 +342,26 @@ def _discard_outcome(waiter: asyncio.Future) -> None:
 
 
 def create_app(engine, *, max_queue: int = 64, max_upload_mb: float = 25.0, model_name: str | None = None,
-               max_new_tokens: int | None = None, max_audio_seconds: float = 7200.0) -> FastAPI:
+               max_new_tokens: int | None = None, max_audio_seconds: float = 7200.0,
+               read_timeout: float | None = 60.0) -> FastAPI:
     """The ASGI app serving `engine` (see the module docstring). Mount it in another FastAPI or
     Starlette app (`outer.mount("/asr", create_app(engine))`) or run it with uvicorn. The app owns
     no engine resources; `app.state.engine` and `app.state.metrics` give them back."""
     if model_name is None:
         model_name = Path(str(getattr(getattr(engine, "target", None), "path", "specwhisper"))).name
-    options = ServerOptions(max_queue, max_upload_mb, model_name, max_new_tokens, max_audio_seconds)
+    options = ServerOptions(max_queue, max_upload_mb, model_name, max_new_tokens, max_audio_seconds, read_timeout)
     service = TranscriptionService(engine, options)
     app = FastAPI(title="specwhisper", version=__version__,
                   description="OpenAI-compatible speech-to-text over an exact speculative Whisper engine")
     app.state.engine, app.state.metrics, app.state.service = engine, service.metrics, service
     install_error_handlers(app)
     app.add_middleware(UploadGuard, admission=service.admission, metrics=service.metrics,
-                       max_upload_bytes=options.max_upload_bytes, audio_routes=AUDIO_ROUTES, known_routes=ROUTES)
-    errors = error_responses(400, 413, 422, 429)
+                       max_upload_bytes=options.max_upload_bytes, audio_routes=AUDIO_ROUTES, known_routes=ROUTES,
+                       read_timeout=options.read_timeout)
+    errors = error_responses(400, 408, 413, 422, 429)
+    openai_responses = {**errors, 200: TRANSCRIPTION_CONTENT}
 
-    @app.post("/v1/audio/transcriptions", responses=errors, summary="Transcribe audio (OpenAI-compatible)")
+    @app.post("/v1/audio/transcriptions", responses=openai_responses, summary="Transcribe audio (OpenAI-compatible)")
     async def transcriptions(
         request: Request,
         fields: Annotated[CommonFields, Depends(common_fields)],
@@ -334,7 +374,7 @@ def create_app(engine, *, max_queue: int = 64, max_upload_mb: float = 25.0, mode
                            param="timestamp_granularities[]", code="unsupported_value")
         return await service.transcribe(request, fields, "transcribe", language)
 
-    @app.post("/v1/audio/translations", responses=errors, summary="Translate audio to English text")
+    @app.post("/v1/audio/translations", responses=openai_responses, summary="Translate audio to English text")
     async def translations(request: Request, fields: Annotated[CommonFields, Depends(common_fields)]):
         return await service.transcribe(request, fields, "translate", None)
 

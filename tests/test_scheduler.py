@@ -185,3 +185,27 @@ def test_cancel_frees_the_slot(target, mels):
     assert len(second.result().tokens) <= 5
     with pytest.raises(Exception):
         first.result(timeout=0)
+
+
+def test_a_cancelled_longform_request_is_never_admitted_again(target):
+    """Cancelled between two of its windows (its next window queued), a long-form request is not
+    admitted again: no encoder pass, no slot; its Future fails with CancelledError at once."""
+    from concurrent.futures import CancelledError
+
+    import numpy as np
+
+    engine = Engine(target, background=False)
+    audio = (0.1 * np.random.default_rng(0).standard_normal(16000 * 70)).astype(np.float32)  # 3 windows
+    future = engine.submit(audio, language="en", temperature=0.0, max_new_tokens=4)
+    encoded, encode = [], engine.runner.encode
+    engine.runner.encode = lambda mel: (encoded.append(mel.shape[0]), encode(mel))[1]
+    for _ in range(200):  # the first window decodes (4 tokens at most) and its successor queues
+        engine.step()
+        if encoded and not engine.scheduler.running and engine.scheduler.waiting:
+            break
+    assert encoded == [1] and engine.scheduler.waiting[0].window is not None and not future.done()
+    assert not future.cancel()  # running: abandoned, not cancelled outright
+    engine.step()
+    assert encoded == [1] and not engine.scheduler.has_work()
+    with pytest.raises(CancelledError):
+        future.result(timeout=0)

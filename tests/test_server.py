@@ -280,10 +280,10 @@ def test_bad_request_gets_its_status_then_server_still_correct(url, expected, ca
 
 def test_prompt_is_the_initial_prompt(url, engine):
     """OpenAI's `prompt` field prompts the first window (openai-whisper's initial_prompt)."""
-    r = post(url, data={"language": "en", "prompt": "Hello.", "response_format": "verbose_json"})
+    r = post(url, data={"language": "en", "prompt": "Hello.", "response_format": "verbose_json", "seed": "7"})
     assert r.status_code == 200, r.text
     want = engine.transcribe(load_audio(SAMPLES[0]), language="en", initial_prompt="Hello.", max_new_tokens=MAX_NEW,
-                             temperature=0.0)
+                             seed=7)  # the engine's default temperatures, as the server's
     assert r.json()["text"] == want.text and [s["text"] for s in r.json()["segments"]] == [s.text for s in want.segments]
 
 
@@ -410,7 +410,8 @@ def test_serve_command_starts_a_server(multilingual):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "specwhisper.cli", "serve", "--target", str(multilingual),
-                             "--port", str(port), "--max-new-tokens", str(MAX_NEW), "--log-level", "warning"])
+                             "--port", str(port), "--max-new-tokens", str(MAX_NEW), "--log-level", "warning",
+                             "--max-audio-seconds", "20", "--read-timeout", "30"])
     try:
         base = f"http://127.0.0.1:{port}"
 
@@ -422,6 +423,8 @@ def test_serve_command_starts_a_server(multilingual):
                 return False
         wait_until(up, seconds=120, what="specwhisper serve to answer")
         assert post(base, data={"language": "en"}).status_code == 200
+        long = {"file": ("long.wav", wav_bytes(np.zeros(16000 * 25, np.float32)), "audio/wav")}
+        assert "limit of 20 s" in assert_openai_error(post(base, files=long), 400, "file", "invalid_audio")["message"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
