@@ -251,7 +251,7 @@ def find_alignment(tokenizer, language: str | None, request: AlignmentRequest, w
         return []  # only <|endoftext|>
     word_boundaries = np.pad(np.cumsum([len(t) for t in word_tokens[:-1]]), (1, 0))
     jumps = np.pad(np.diff(text_indices), (1, 0), constant_values=1).astype(bool)
-    jump_times = time_indices[jumps] / TOKENS_PER_SECOND
+    jump_times = time_indices[jumps] / TOKENS_PER_SECOND  # float64
     start_times = jump_times[word_boundaries[:-1]]
     end_times = jump_times[word_boundaries[1:]]
     word_probabilities = [np.mean(text_token_probs[i:j]) for i, j in zip(word_boundaries[:-1], word_boundaries[1:])]
@@ -320,8 +320,9 @@ def add_word_timestamps(segments: list[Segment], alignment: list[WordTiming], to
         while word_index < len(alignment) and saved_tokens < len(text_tokens):
             timing = alignment[word_index]
             if timing.word:
-                words.append(Word(timing.word, round(time_offset + timing.start, 2),
-                                  round(time_offset + timing.end, 2), timing.probability))
+                # numpy's rounding (the times are numpy floats in openai's code too)
+                words.append(Word(timing.word, float(np.round(time_offset + timing.start, 2)),
+                                  float(np.round(time_offset + timing.end, 2)), float(timing.probability)))
             saved_tokens += len(timing.tokens)
             word_index += 1
 
