@@ -1,6 +1,7 @@
 """Long-form transcription speed and accuracy, side by side in one run: specwhisper target-only,
 specwhisper speculative (draft tiny.en) and openai-whisper's `transcribe()`, same weights, same
-2-5 minute synthesized recording (flite sentences in several voices, with pauses), CPU.
+2-5 minute synthesized recording (flite sentences in several voices, with pauses), CPU; and the
+cost of word timestamps as a share of a target-only long-form call.
 
 Question answered: how many seconds of audio does each system transcribe per wall-clock second
 (RTFx = audio s / wall s, higher is faster), and at what WER against the script read aloud?
@@ -9,6 +10,7 @@ Every system runs openai's long-form algorithm (30 s windows, timestamps, fallba
 
     python bench/longform.py                  # base + tiny.en, 180 s recording, bench/results
     python bench/longform.py --seconds 300 --threads 2 --out bench/results
+    python bench/longform.py --seconds 120 --systems target,words   # word timestamps' share only
 """
 from __future__ import annotations
 
@@ -42,6 +44,27 @@ def run_specwhisper(engine: Engine, audio, seed: int) -> dict:
                 temperatures=sorted({s.temperature for s in out.segments}))
 
 
+def run_specwhisper_words(engine: Engine, audio, seed: int) -> dict:
+    """Word timestamps on: the time spent on them (the batched alignment passes, DTW and word
+    splitting: the scheduler's `_align`) is measured inside the call."""
+    align, spent = engine.scheduler._align, [0.0]
+
+    def timed(*args):
+        start = time.perf_counter()
+        align(*args)
+        spent[0] += time.perf_counter() - start
+
+    engine.scheduler._align = timed
+    try:
+        start = time.perf_counter()
+        out = engine.transcribe_long(audio, TranscribeOptions(language="en", word_timestamps=True), seed=seed)
+        wall = time.perf_counter() - start
+    finally:
+        engine.scheduler._align = align
+    return dict(text=out.text, segments=len(out.segments), temperatures=sorted({s.temperature for s in out.segments}),
+                words=sum(len(s.words) for s in out.segments), word_seconds=spent[0], word_share=spent[0] / wall)
+
+
 def run_openai(model, audio, seed: int) -> dict:
     import whisper
 
@@ -59,7 +82,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--systems", default="target,draft,words,openai",
+                   help="comma list of target (target-only), draft (speculative), words (target-only with "
+                        "word timestamps: their share of the call), openai")
     args = p.parse_args(argv)
+    chosen = set(args.systems.split(","))
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,11 +94,14 @@ def main(argv=None) -> int:
     audio, script = flite_recording(out_dir / "longform-audio", args.seconds, seed=args.seed)
     seconds = len(audio) / 16000
     target = model_dir(args.target)
-    systems = {
-        "specwhisper target-only": (Engine(target), run_specwhisper),
-        f"specwhisper speculative ({args.draft})": (Engine(target, model_dir(args.draft)), run_specwhisper),
-        "openai-whisper": (openai_whisper(target), run_openai),
-    }
+    target_only = Engine(target) if chosen & {"target", "words"} else None
+    systems = {name: system for key, name, system in (
+        ("target", "specwhisper target-only", lambda: (target_only, run_specwhisper)),
+        ("words", "specwhisper target-only, word timestamps", lambda: (target_only, run_specwhisper_words)),
+        ("draft", f"specwhisper speculative ({args.draft})",
+         lambda: (Engine(target, model_dir(args.draft)), run_specwhisper)),
+        ("openai", "openai-whisper", lambda: (openai_whisper(target), run_openai))) if key in chosen}
+    systems = {name: make() for name, make in systems.items()}
     warm = audio[: 16000 * 5]
     rows = []
     for name, (system, run) in systems.items():
@@ -81,8 +111,10 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - start
         row = dict(system=name, wall_s=wall, rtfx=seconds / wall, wer=wer([script], [result["text"]]), **result)
         rows.append(row)
+        words = (f", word timestamps {row['word_seconds']:.2f} s = {row['word_share']:.1%} of the call "
+                 f"({row['words']} words)" if "words" in row else "")
         print(f"{name}: {wall:.1f} s wall, RTFx {row['rtfx']:.2f}, WER {row['wer']:.1%}, "
-              f"{row['segments']} segments, temperatures {row['temperatures']}", flush=True)
+              f"{row['segments']} segments, temperatures {row['temperatures']}{words}", flush=True)
 
     report = dict(question="long-form RTFx (audio s / wall s) and WER, one run each", audio_seconds=seconds,
                   target=str(target), draft=args.draft, threads=args.threads, torch=torch.__version__,
@@ -94,6 +126,8 @@ def main(argv=None) -> int:
              "| system | wall s | RTFx | WER | segments | temperatures used |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['system']} | {r['wall_s']:.1f} | {r['rtfx']:.2f} | {r['wer']:.1%} | {r['segments']} | "
               f"{', '.join(map(str, r['temperatures']))} |" for r in rows]
+    lines += [f"\nWord timestamps: {r['word_seconds']:.2f} s of the {r['wall_s']:.1f} s call "
+              f"({r['word_share']:.1%}; {r['words']} words)" for r in rows if "words" in r]
     (out_dir / "longform-cpu.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out_dir / 'longform-cpu.json'} and {out_dir / 'longform-cpu.md'}")
     return 0

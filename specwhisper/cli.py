@@ -39,7 +39,12 @@ def cmd_transcribe(args) -> int:
 
     options = TranscribeOptions(temperature=args.temperature, language=args.language, task=args.task,
                                 top_p=args.top_p, initial_prompt=args.initial_prompt,
-                                condition_on_previous_text=not args.no_condition_on_previous_text)
+                                condition_on_previous_text=not args.no_condition_on_previous_text,
+                                word_timestamps=args.word_timestamps, prepend_punctuations=args.prepend_punctuations,
+                                append_punctuations=args.append_punctuations,
+                                hallucination_silence_threshold=args.hallucination_silence_threshold)
+    word_options = dict(highlight_words=args.highlight_words, max_line_width=args.max_line_width,
+                        max_line_count=args.max_line_count, max_words_per_line=args.max_words_per_line)
     formats = list(OUTPUT_EXTENSIONS) if args.output_format == "all" else [args.output_format]
     engine = Engine(model_folder(args.target), model_folder(args.draft) if args.draft else None,
                     device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
@@ -58,14 +63,18 @@ def cmd_transcribe(args) -> int:
                                 temperature=options.temperature, top_p=options.top_p, num_draft_tokens=args.k,
                                 seed=args.seed, initial_prompt=options.initial_prompt,
                                 condition_on_previous_text=options.condition_on_previous_text,
-                                timestamps=True, progress=progress).result()
+                                timestamps=True, word_timestamps=options.word_timestamps,
+                                prepend_punctuations=options.prepend_punctuations,
+                                append_punctuations=options.append_punctuations,
+                                hallucination_silence_threshold=options.hallucination_silence_threshold,
+                                progress=progress).result()
         rows.append({"file": str(path), "text": out.text, "language": out.language, "duration": out.duration,
                      "tokens": out.tokens, "segments": [s.to_dict() for s in out.segments],
                      "stats": out.stats.__dict__})
         if args.json:
             continue
         for fmt in formats:
-            text = render(out, fmt, task=args.task)
+            text = render(out, fmt, task=args.task, **(word_options if fmt in ("srt", "vtt") else {}))
             if args.output_dir is None:
                 sys.stdout.write(text)
             else:
@@ -268,6 +277,8 @@ def add_distill_parser(sub) -> None:
 
 
 def main(argv=None) -> int:
+    from .timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
+
     p = argparse.ArgumentParser(prog="specwhisper", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -285,6 +296,24 @@ def main(argv=None) -> int:
     t.add_argument("--initial-prompt", default=None, help="text prompting the first window")
     t.add_argument("--no-condition-on-previous-text", action="store_true",
                    help="do not prompt each window with the previous windows' text")
+    t.add_argument("--word-timestamps", action="store_true",
+                   help="word-level timestamps (openai-whisper's word_timestamps): segments get their words, "
+                        "json output carries them, srt/vtt can be cut and highlighted by word")
+    t.add_argument("--prepend-punctuations", default=PREPEND_PUNCTUATIONS,
+                   help="with --word-timestamps: merge these punctuation symbols with the next word")
+    t.add_argument("--append-punctuations", default=APPEND_PUNCTUATIONS,
+                   help="with --word-timestamps: merge these punctuation symbols with the previous word")
+    t.add_argument("--highlight-words", action="store_true",
+                   help="(requires --word-timestamps) underline each word as it is spoken in srt and vtt")
+    t.add_argument("--max-line-width", type=int, default=None,
+                   help="(requires --word-timestamps) the most characters in a line before breaking it (srt, vtt)")
+    t.add_argument("--max-line-count", type=int, default=None,
+                   help="(requires --word-timestamps) the most lines in a subtitle (srt, vtt)")
+    t.add_argument("--max-words-per-line", type=int, default=None,
+                   help="(requires --word-timestamps, no effect with --max-line-width) the most words in a line")
+    t.add_argument("--hallucination-silence-threshold", type=float, default=None,
+                   help="(requires --word-timestamps) skip silent periods longer than this many seconds "
+                        "when a possible hallucination is detected")
     t.add_argument("--output-format", choices=[*OUTPUT_EXTENSIONS, "all"], default="txt")
     t.add_argument("--output-dir", type=Path, default=None, help="write <name>.<format> files here (default: stdout)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -333,7 +362,23 @@ def main(argv=None) -> int:
     add_distill_parser(sub)
 
     args = p.parse_args(argv)
+    if args.command == "transcribe":
+        check_word_options(p, args)
     return args.func(args)
+
+
+def check_word_options(parser, args) -> None:
+    """openai-whisper's CLI checks: the subtitle word options need --word-timestamps."""
+    import warnings
+
+    for option in ("highlight_words", "max_line_count", "max_line_width", "max_words_per_line",
+                   "hallucination_silence_threshold"):
+        if getattr(args, option) and not args.word_timestamps:
+            parser.error(f"--{option.replace('_', '-')} requires --word-timestamps")
+    if args.max_line_count and not args.max_line_width:
+        warnings.warn("--max-line-count has no effect without --max-line-width", stacklevel=2)
+    if args.max_words_per_line and args.max_line_width:
+        warnings.warn("--max-words-per-line has no effect with --max-line-width", stacklevel=2)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ class TranscribeOptions:
     max_initial_timestamp: float | None = 1.0  # seconds: latest first timestamp of a window; None: no limit
     timestamps: bool = True  # predict timestamp tokens (segments); False: one segment per window
     skip_silence: bool = True  # windows without signal (audio.is_silent) are skipped undecoded; False: openai's way
+    word_timestamps: bool = False  # openai's word_timestamps: each segment gets its words (timing.py)
+    prepend_punctuations: str = "\"'“¿([{-"  # with word timestamps: merged into the following word
+    append_punctuations: str = "\"'.。,，!！?？:：”)]}、"  # with word timestamps: merged into the preceding word
+    hallucination_silence_threshold: float | None = None  # seconds; with word timestamps: skip silence before a likely hallucination
 
     def __post_init__(self):
         temps = self.temperature
@@ -133,3 +137,12 @@ class TranscribeOptions:
             raise ValueError(f"compression_ratio_threshold must be > 0 or None, got {self.compression_ratio_threshold}")
         if self.logprob_threshold is not None and self.logprob_threshold != self.logprob_threshold:
             raise ValueError("logprob_threshold must be a number or None")
+        threshold = self.hallucination_silence_threshold
+        if threshold is not None:
+            if not self.word_timestamps:
+                raise ValueError("hallucination_silence_threshold needs word_timestamps=True")
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < float("inf"):
+                raise ValueError(f"hallucination_silence_threshold must be a number of seconds > 0 or None, got {threshold!r}")
+        for name in ("prepend_punctuations", "append_punctuations"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")

@@ -2,13 +2,14 @@
 with Whisper's suppression rules)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import cpu_ops, sampling
-from .config import WhisperConfig
+from .config import WhisperConfig, read_json
 from .head import ScreenedHead
 from .model import Whisper
 from .tokenizer import Tokenizer
@@ -58,6 +59,16 @@ class LoadedModel:
         screened = dtype == torch.float32 and torch.device(device).type == "cpu"
         head = ScreenedHead(model.decoder.embed_tokens.weight) if screened else None
         return cls(model, tok, path, suppress, begin, head)
+
+    @functools.cached_property
+    def alignment_heads(self) -> list[tuple[int, int]]:
+        """The (layer, head) pairs of cross-attention that word timestamps read: the folder's
+        generation_config `alignment_heads`, else openai's table (`timing.alignment_heads`;
+        ValueError when neither knows the model)."""
+        from .timing import alignment_heads
+
+        path = self.path / "generation_config.json"
+        return alignment_heads(self.config, read_json(path, "generation config") if path.is_file() else {})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Decoder hidden states [B, T, d] -> float32 logits [B, T, V] (no suppression)."""

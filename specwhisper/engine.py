@@ -28,6 +28,7 @@ from .jobs import LongformRequest, ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .runner import MAX_K, Runner
 from .scheduler import Request, RequestFuture, Scheduler
+from .timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
 
 N_FRAMES = 3000
 FRAMES_PER_SECOND = 100  # mel frames per second of audio
@@ -100,7 +101,10 @@ class Engine:
                    temperature: float | tuple[float, ...] | None = None, top_p: float = 1.0,
                    num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
                    seed: int | None = None, initial_prompt: str | None = None,
-                   condition_on_previous_text: bool = True, timestamps: bool | None = None):
+                   condition_on_previous_text: bool = True, timestamps: bool | None = None,
+                   word_timestamps: bool = False, prepend_punctuations: str = PREPEND_PUNCTUATIONS,
+                   append_punctuations: str = APPEND_PUNCTUATIONS,
+                   hallucination_silence_threshold: float | None = None):
         """Decode `x` -> a Transcription (a list of them for a batch mel or a list of inputs).
 
         `x`: a path or encoded bytes, a 1-D 16 kHz waveform, a log-mel [n_mels, frames] or a batch
@@ -109,11 +113,15 @@ class Engine:
         openai-whisper's long-form algorithm (segments with timestamps, `initial_prompt`,
         `condition_on_previous_text`, temperature fallback). `temperature`: None is Whisper's
         default for the input (0.0 for one window; (0.0, 0.2, ..., 1.0) for long-form); a tuple
-        is a fallback list (long-form)."""
+        is a fallback list (long-form). `word_timestamps=True` (long-form, any length) gives each
+        segment its words, as openai-whisper's `transcribe(word_timestamps=True)`, with its
+        `prepend_punctuations`, `append_punctuations` and `hallucination_silence_threshold`."""
         kwargs = dict(language=language, task=task, temperature=temperature, top_p=top_p,
                       num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, seed=seed,
                       initial_prompt=initial_prompt, condition_on_previous_text=condition_on_previous_text,
-                      timestamps=timestamps)
+                      timestamps=timestamps, word_timestamps=word_timestamps,
+                      prepend_punctuations=prepend_punctuations, append_punctuations=append_punctuations,
+                      hallucination_silence_threshold=hallucination_silence_threshold)
         if isinstance(x, (list, tuple)):
             if not x:
                 raise ValueError("the input list is empty")
@@ -130,6 +138,8 @@ class Engine:
                num_draft_tokens: int | None = None, max_new_tokens: int | None = None,
                seed: int | None = None, initial_prompt: str | None = None,
                condition_on_previous_text: bool = True, timestamps: bool | None = None,
+               word_timestamps: bool = False, prepend_punctuations: str = PREPEND_PUNCTUATIONS,
+               append_punctuations: str = APPEND_PUNCTUATIONS, hallucination_silence_threshold: float | None = None,
                progress=None, on_segment=None) -> RequestFuture:
         """Queue one input for decoding -> a Future of its Transcription (arguments as in
         `transcribe`). Requests submitted concurrently are decoded together; `future.cancel()`
@@ -140,7 +150,11 @@ class Engine:
                                        num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
                                        seed=seed, initial_prompt=initial_prompt,
                                        condition_on_previous_text=condition_on_previous_text,
-                                       timestamps=timestamps, progress=progress, on_segment=on_segment)
+                                       timestamps=timestamps, word_timestamps=word_timestamps,
+                                       prepend_punctuations=prepend_punctuations,
+                                       append_punctuations=append_punctuations,
+                                       hallucination_silence_threshold=hallucination_silence_threshold,
+                                       progress=progress, on_segment=on_segment)
         if not single:
             raise ValueError("submit takes one input; submit each row of a batch separately")
         if self.background:
@@ -206,7 +220,16 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def _submit(self, x, language=None, task="transcribe", temperature=None, top_p=1.0, num_draft_tokens=None,
                 max_new_tokens=None, seed=None, initial_prompt=None, condition_on_previous_text=True,
-                timestamps=None, progress=None, on_segment=None) -> tuple[bool, list[RequestFuture]]:
+                timestamps=None, word_timestamps=False, prepend_punctuations=PREPEND_PUNCTUATIONS,
+                append_punctuations=APPEND_PUNCTUATIONS, hallucination_silence_threshold=None, progress=None,
+                on_segment=None) -> tuple[bool, list[RequestFuture]]:
+        if word_timestamps:
+            if timestamps is False:
+                raise ValueError("word_timestamps runs openai-whisper's long-form algorithm; it needs timestamps")
+            self.target.alignment_heads  # noqa: B018 (ValueError for a model without known alignment heads)
+            timestamps = True
+        elif hallucination_silence_threshold is not None:
+            raise ValueError("hallucination_silence_threshold needs word_timestamps=True")
         single, mel = self._as_mel(x, whole=bool(timestamps))
         long = single and (mel.shape[-1] > N_FRAMES or bool(timestamps))
         if long or initial_prompt is not None or isinstance(temperature, (tuple, list)):
@@ -224,7 +247,10 @@ class Engine:
             temps = DEFAULT_FALLBACK if temperature is None else temperature
             options = TranscribeOptions(temperature=temps, language=language, task=task, top_p=top_p,
                                         initial_prompt=initial_prompt,
-                                        condition_on_previous_text=condition_on_previous_text)
+                                        condition_on_previous_text=condition_on_previous_text,
+                                        word_timestamps=bool(word_timestamps), prepend_punctuations=prepend_punctuations,
+                                        append_punctuations=append_punctuations,
+                                        hallucination_silence_threshold=hallucination_silence_threshold)
             if num_draft_tokens is not None:
                 DecodeOptions(num_draft_tokens=num_draft_tokens)  # validates k
             job = self._longform_job(mel, options, seed, num_draft_tokens, progress)
@@ -260,6 +286,8 @@ class Engine:
         tok = self.target.tokenizer
         if options.language is not None or not tok.multilingual:
             tok.prompt(options.language, options.task)  # validates language and task before any work
+        if options.word_timestamps:
+            self.target.alignment_heads  # noqa: B018 (ValueError for a model without known alignment heads)
         seed = seed if seed is not None else random.getrandbits(62)
         return LongformRequest(mel, options, tok, seed, num_draft_tokens, progress)
 

@@ -137,8 +137,21 @@ class LongformRequest:
         tokens = output.tokens
         self.job.record(WindowResult(tokens, output.sum_logprob, output.sum_logprob / (len(tokens) + 1),
                                      output.no_speech_prob, self.request.temperature, self.request.language))
-        if self.job.retrying:
-            return
+        if not self.job.retrying and self.job.alignment_request is None:
+            self._kept()
+
+    @property
+    def alignment_request(self):
+        """The kept window's `timing.AlignmentRequest` while it waits for its alignment pass
+        (word timestamps), else None."""
+        return self.job.alignment_request if self.job is not None else None
+
+    def add_alignment(self, weights, text_token_probs) -> None:
+        self.job.add_alignment(weights, text_token_probs)
+        self._kept()
+
+    def _kept(self) -> None:
+        """A window is final: report progress and its segments."""
         if self.progress is not None:
             self.progress(min(self.job.seek, self.job.content_frames), self.job.content_frames)
         if self.on_segment is not None:

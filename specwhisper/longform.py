@@ -15,6 +15,11 @@ hallucinations (" you", "Thank you.") that the rule keeps because their avg_logp
 windows holding any sound are decoded exactly as openai does. The job never decodes: windows
 of many jobs can share a running batch (`run_job` drives one job sequentially).
 
+With word timestamps, a kept window waits for its alignment pass (`alignment_request`, answered
+with `add_alignment`) before its segments are final: the words (timing.py) may move segment
+bounds, `seek` goes to the end of the last word, and with `hallucination_silence_threshold`
+silence before a likely hallucination is skipped, as openai's `transcribe()` does.
+
 Names follow openai's so the two read side by side: seek, segments, all_tokens,
 prompt_reset_since, compression_ratio, no_speech_prob, decode_with_fallback.
 """
@@ -31,6 +36,8 @@ import torch
 from .audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, is_silent, pad_or_trim
 from .config import TranscribeOptions
 from .results import Segment, Stats, Transcription
+from .timing import AlignmentRequest, add_word_timestamps, find_alignment, get_end, is_segment_anomaly, \
+    next_words_segment
 from .tokenizer import Tokenizer, split_at_timestamps
 from .window import SAMPLE_LEN, WindowRequest, WindowResult
 
@@ -38,6 +45,7 @@ N_AUDIO_CTX = 1500  # encoder positions per window
 INPUT_STRIDE = N_FRAMES // N_AUDIO_CTX  # mel frames per timestamp step: 2
 TIME_PRECISION = INPUT_STRIDE * HOP_LENGTH / SAMPLE_RATE  # seconds per timestamp step: 0.02
 N_TEXT_CTX = 448  # decoder positions
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # mel frames per second: 100
 
 
 def compression_ratio(text: str) -> float:
@@ -85,6 +93,9 @@ class LongformJob:
             self.initial_prompt_tokens = tokenizer.encode(" " + options.initial_prompt.strip())
             self.all_tokens.extend(self.initial_prompt_tokens)
         self.windows = 0  # decodes run (fallback retries included)
+        self.last_speech_timestamp = 0.0  # end of the last word so far (word timestamps)
+        self.alignment_request: AlignmentRequest | None = None  # a kept window waiting for its alignment pass
+        self._window_words = None  # (segments, result, seek, segment_size, single_timestamp_ending) of that window
         self._request: WindowRequest | None = None  # the window being decoded
         self._attempt = 0  # index into options.temperature
         self._retry = False  # the last result failed its checks: decode it again, hotter
@@ -92,11 +103,13 @@ class LongformJob:
     # ---------------------------------------------------------------- the seek loop
     @property
     def done(self) -> bool:
-        return self._request is None and self.seek >= self.content_frames
+        return self._request is None and self.alignment_request is None and self.seek >= self.content_frames
 
     def next_window(self) -> WindowRequest | None:
         """The next window to decode (the same one at the next temperature after a failure), or
         None when the recording is done. Call `record` with its result before asking again."""
+        if self.alignment_request is not None:
+            raise RuntimeError("add_alignment() the kept window's alignment first")
         if self._request is not None:
             if not self._retry:
                 raise RuntimeError("record() the result of the previous window first")
@@ -203,10 +216,96 @@ class LongformJob:
             current_segments.append(new_segment(time_offset, time_offset + duration, tokens))
             self.seek += segment_size
 
-        # an instantaneous segment or one without text is cleared
+        if o.word_timestamps:
+            text_tokens = [t for segment in current_segments for t in segment.tokens if t < tok.eot]
+            self._window_words = (current_segments, result, seek, segment_size, single_timestamp_ending)
+            if text_tokens:  # openai aligns nothing (and runs no pass) without text
+                prompt = tok.prompt(self.language, o.task)
+                self.alignment_request = AlignmentRequest(prompt + text_tokens + [tok.eot], len(prompt) - 1,
+                                                          text_tokens, segment_size)
+            else:
+                self.add_alignment(None, [])
+            return
+        self._commit(current_segments, result)
+
+    # ---------------------------------------------------------------- word timestamps
+    def add_alignment(self, weights: torch.Tensor | None, text_token_probs: list[float]) -> None:
+        """Finish the window waiting for words with its alignment pass's output (`alignment.py`):
+        words, then openai's long-form adjustments that use them."""
+        if self._window_words is None:
+            raise RuntimeError("no kept window is waiting for its alignment")
+        current_segments, result, previous_seek, segment_size, single_timestamp_ending = self._window_words
+        request, self.alignment_request, self._window_words = self.alignment_request, None, None
+        o = self.options
+        alignment = [] if request is None else find_alignment(self.tokenizer, self.language, request, weights,
+                                                              text_token_probs)
+        add_word_timestamps(current_segments, alignment, self.tokenizer, prepend_punctuations=o.prepend_punctuations,
+                            append_punctuations=o.append_punctuations,
+                            last_speech_timestamp=self.last_speech_timestamp)
+        time_offset = float(previous_seek * HOP_LENGTH / SAMPLE_RATE)
+        window_end_time = float((previous_seek + N_FRAMES) * HOP_LENGTH / SAMPLE_RATE)
+        if not single_timestamp_ending:
+            last_word_end = get_end(current_segments)
+            if last_word_end is not None and last_word_end > time_offset:
+                self.seek = round(last_word_end * FRAMES_PER_SECOND)
+
+        threshold = o.hallucination_silence_threshold
+        if threshold is not None:  # skip silence before possible hallucinations
+            if not single_timestamp_ending:
+                last_word_end = get_end(current_segments)
+                if last_word_end is not None and last_word_end > time_offset:
+                    remaining_duration = window_end_time - last_word_end
+                    if remaining_duration > threshold:
+                        self.seek = round(last_word_end * FRAMES_PER_SECOND)
+                    else:
+                        self.seek = previous_seek + segment_size
+
+            # if the first segment might be a hallucination, skip the leading silence
+            first_segment = next_words_segment(current_segments)
+            if first_segment is not None and is_segment_anomaly(first_segment):
+                gap = first_segment.start - time_offset
+                if gap > threshold:
+                    self.seek = previous_seek + round(gap * FRAMES_PER_SECOND)
+                    return  # the window's segments are dropped
+
+            # skip silence before any possible hallucination surrounded by silence or more hallucinations
+            hal_last_end = self.last_speech_timestamp
+            for si in range(len(current_segments)):
+                segment = current_segments[si]
+                if not segment.words:
+                    continue
+                if is_segment_anomaly(segment):
+                    next_segment = next_words_segment(current_segments[si + 1:])
+                    if next_segment is not None:
+                        hal_next_start = next_segment.words[0].start
+                    else:
+                        hal_next_start = time_offset + segment_size * HOP_LENGTH / SAMPLE_RATE
+                    silence_before = (segment.start - hal_last_end > threshold or segment.start < threshold
+                                      or segment.start - time_offset < 2.0)
+                    silence_after = (hal_next_start - segment.end > threshold or is_segment_anomaly(next_segment)
+                                     or window_end_time - segment.end < 2.0)
+                    if silence_before and silence_after:
+                        self.seek = round(max(time_offset + 1, segment.start) * FRAMES_PER_SECOND)
+                        if self.duration - segment.end < threshold:
+                            self.seek = self.content_frames
+                        current_segments[si:] = []
+                        break
+                hal_last_end = segment.end
+
+        last_word_end = get_end(current_segments)
+        if last_word_end is not None:
+            self.last_speech_timestamp = last_word_end
+        self._commit(current_segments, result)
+
+    def _commit(self, current_segments: list[Segment], result: WindowResult) -> None:
+        """Keep the window's segments (cleared when instantaneous or empty) and reset the prompt
+        after a high temperature."""
+        o = self.options
         for segment in current_segments:
             if segment.start == segment.end or segment.text.strip() == "":
                 segment.text, segment.tokens = "", []
+                if segment.words is not None:
+                    segment.words = []
         for segment in current_segments:
             segment.id = len(self.all_segments)
             self.all_segments.append(segment)
@@ -229,12 +328,17 @@ class LongformJob:
 
 
 def run_job(job: LongformJob, decode: Callable[[WindowRequest], WindowResult],
-            progress: Callable[[int, int], None] | None = None) -> Transcription:
-    """Drive `job` to the end, one window at a time, with `decode`. `progress(seek, frames)` is
-    called after every kept window (mel frames done, frames in all)."""
+            progress: Callable[[int, int], None] | None = None, align=None) -> Transcription:
+    """Drive `job` to the end, one window at a time, with `decode` (and `align`, the alignment
+    pass of a kept window, with word timestamps: `ReferenceWindowDecoder.align`).
+    `progress(seek, frames)` is called after every kept window (mel frames done, frames in all)."""
     start = time.perf_counter()
     while (request := job.next_window()) is not None:
         job.record(decode(request))
+        if job.alignment_request is not None:
+            if align is None:
+                raise ValueError("word timestamps need `align`, the windows' alignment pass")
+            job.add_alignment(*align(job.alignment_request))
         if progress is not None and not job.retrying:
             progress(min(job.seek, job.content_frames), job.content_frames)
     out = job.result()

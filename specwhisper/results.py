@@ -17,6 +17,20 @@ class Stats:
 
 
 @dataclass
+class Word:
+    """One word of a segment, as openai-whisper's `word_timestamps=True` reports it."""
+
+    word: str  # its text, with the leading space and the punctuation merged into it
+    start: float  # seconds from the start of the audio (0.01 s steps, except where clipped)
+    end: float  # seconds
+    probability: float  # mean probability of its tokens
+
+    def to_dict(self) -> dict:
+        return {"word": self.word, "start": float(self.start), "end": float(self.end),
+                "probability": float(self.probability)}
+
+
+@dataclass
 class Segment:
     """One timed piece of a transcript, as openai-whisper's `transcribe()` reports it."""
 
@@ -30,9 +44,15 @@ class Segment:
     avg_logprob: float = 0.0  # mean log-probability of the window's tokens
     compression_ratio: float = 0.0  # gzip compression ratio of the window's text
     no_speech_prob: float = 0.0  # probability of <|nospeech|> at the start of the window
+    words: list[Word] | None = None  # word timestamps (None: not asked for)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """openai's segment dict; `words` only when word timestamps were asked for."""
+        d = asdict(self)
+        d.pop("words")
+        if self.words is not None:
+            d["words"] = [w.to_dict() for w in self.words]
+        return d
 
 
 @dataclass

@@ -464,6 +464,17 @@ class Runner:
         new_dn = base + self.t2d_len[last]
         self.dn[:B] = torch.where(self.done[:B] | ~self.draft_on[:B], dn, new_dn)
 
+    @torch.inference_mode()
+    def align(self, slots: list[int], requests: list) -> list[tuple[torch.Tensor, list[float]]]:
+        """The alignment pass (word timestamps) of the windows in `slots`, one batch over the
+        cross-attention K/V they hold -> per window (the alignment heads' cross-attention logits,
+        its text tokens' probabilities); see alignment.py."""
+        from .alignment import alignment_pass
+
+        idx = torch.tensor(slots, device=self.device)
+        return alignment_pass(self.target.model.decoder, requests, self.cache.cross_k[:, idx],
+                              self.cache.cross_v[:, idx], self.target.alignment_heads, self.eot)
+
     # ---------------------------------------------------------------- host view
     def progress(self, B: int) -> torch.Tensor:
         """The one small tensor the host reads per iteration: [4, B] = done, n_tokens,

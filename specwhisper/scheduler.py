@@ -154,21 +154,50 @@ class Scheduler:
 
     # ---------------------------------------------------------------- leaving
     def postprocess(self, progress: torch.Tensor) -> None:
-        """After an iteration: finished rows leave (results recorded, slots compacted)."""
+        """After an iteration: finished rows are recorded, the kept windows that want word
+        timestamps get their alignment pass (one batch, over the cross K/V their slots still
+        hold), then the finished rows leave (slots compacted)."""
         done = progress[0].tolist()
+        errors: dict[int, BaseException] = {}
+        for slot in range(len(self.running)):
+            req = self.running[slot]
+            if done[slot] and not req.future.abandoned:
+                output = self.runner.output(slot)
+                self._account(req, output)
+                try:
+                    req.job.record(output, req.window.language)
+                except BaseException as exc:  # a job's own error ends that request only
+                    errors[slot] = exc
+        self._align([s for s in range(len(self.running)) if done[s] and s not in errors], errors)
         for slot in sorted(range(len(self.running)), reverse=True):
             req = self.running[slot]
             if done[slot] or req.future.abandoned:
-                self._leave(slot, finished=bool(done[slot]))
+                self._leave(slot, finished=bool(done[slot]), error=errors.get(slot))
 
-    def _leave(self, slot: int, finished: bool) -> None:
+    def _align(self, slots: list[int], errors: dict[int, BaseException]) -> None:
+        """The alignment pass of every window among `slots` whose job waits for one."""
+        waiting = [(s, getattr(self.running[s].job, "alignment_request", None)) for s in slots]
+        waiting = [(s, r) for s, r in waiting if r is not None]
+        if not waiting:
+            return
+        try:
+            outputs = self.runner.align([s for s, _ in waiting], [r for _, r in waiting])
+        except BaseException as exc:  # the pass failed: those requests fail, the others go on
+            errors.update({s: exc for s, _ in waiting})
+            return
+        for (slot, _), output in zip(waiting, outputs):
+            try:
+                self.running[slot].job.add_alignment(*output)
+            except BaseException as exc:
+                errors[slot] = exc
+
+    def _leave(self, slot: int, finished: bool, error: BaseException | None = None) -> None:
         req = self.running[slot]
         last = len(self.running) - 1
         if finished and not req.future.abandoned:
-            output = self.runner.output(slot)
-            self._account(req, output)
             try:
-                req.job.record(output, req.window.language)
+                if error is not None:
+                    raise error
                 req.window = req.job.next_window()
             except BaseException as exc:  # a job's own error ends that request only
                 req.window = None

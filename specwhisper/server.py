@@ -231,11 +231,16 @@ class TranscriptionService:
             results.append(w.result())
         return results
 
-    async def transcribe(self, request: Request, fields: CommonFields, task: str, language: str | None):
+    async def transcribe(self, request: Request, fields: CommonFields, task: str, language: str | None,
+                         granularities: list[str] | None = None):
+        """`granularities`: OpenAI's timestamp_granularities[] (verbose_json only); "word" runs
+        word timestamps."""
         if len((await request.form()).getlist("file")) > 1:  # the parsed form, cached by the request
             raise ApiError(400, "send one audio file per request (several `file` fields were sent); "
                            "POST /transcribe takes several", param="file", code="invalid_value")
         options = self.decode_options(fields, task, language)
+        if granularities and "word" in granularities:
+            options["word_timestamps"] = True
         if not self.admission.try_acquire():
             raise self.admission.busy_error()
         try:
@@ -251,10 +256,10 @@ class TranscriptionService:
             return StreamingResponse(_sse_live(queue, future, task), media_type="text/event-stream",
                                      headers={"openai-model": self.options.model_name, "Cache-Control": "no-cache"})
         [result] = await self.wait(request, [await self.submit(audio, options)])
-        return self.respond(result, fields, task)
+        return self.respond(result, fields, task, granularities)
 
     # ------------------------------------------------------------ responses
-    def respond(self, result, fields: CommonFields, task: str) -> Response:
+    def respond(self, result, fields: CommonFields, task: str, granularities: list[str] | None = None) -> Response:
         headers = {"openai-model": self.options.model_name}
         if fields.stream:
             return StreamingResponse(_sse_events(result, task), media_type="text/event-stream",
@@ -263,7 +268,10 @@ class TranscriptionService:
         if fmt == "json":
             return JSONResponse({"text": result.text}, headers=headers)
         if fmt == "verbose_json":
-            return JSONResponse(to_verbose_json(result, task), headers=headers)
+            # OpenAI's granularities: segments unless only words were asked for, words when asked for
+            segments = not granularities or "segment" in granularities
+            words = bool(granularities) and "word" in granularities
+            return JSONResponse(to_verbose_json(result, task, segments=segments, words=words), headers=headers)
         return PlainTextResponse(render(result, "txt" if fmt == "text" else fmt, task), headers=headers)
 
 
@@ -369,10 +377,14 @@ def create_app(engine, *, max_queue: int = 64, max_upload_mb: float = 25.0, mode
         timestamp_granularities: Annotated[list[Literal["segment", "word"]] | None,
                                            Form(alias="timestamp_granularities[]")] = None,
     ):
-        if timestamp_granularities and "word" in timestamp_granularities:
-            raise ApiError(400, "word timestamps are not supported yet; use timestamp_granularities[]=segment",
-                           param="timestamp_granularities[]", code="unsupported_value")
-        return await service.transcribe(request, fields, "transcribe", language)
+        if timestamp_granularities:
+            if fields.response_format != "verbose_json":
+                raise ApiError(400, "`response_format` must be `verbose_json` if `timestamp_granularities[]` is provided",
+                               param="timestamp_granularities[]", code="invalid_value")
+            if fields.stream:
+                raise ApiError(400, "`timestamp_granularities[]` is not supported with `stream`",
+                               param="timestamp_granularities[]", code="invalid_value")
+        return await service.transcribe(request, fields, "transcribe", language, timestamp_granularities)
 
     @app.post("/v1/audio/translations", responses=openai_responses, summary="Translate audio to English text")
     async def translations(request: Request, fields: Annotated[CommonFields, Depends(common_fields)]):

@@ -167,3 +167,15 @@ class ReferenceWindowDecoder:
         if request.mel is not self._mel:
             self._mel, self._features = request.mel, encode_window(self.model, request.mel)
         return decode_window_reference(self.model, request, self._features)
+
+    @torch.inference_mode()
+    def align(self, request):
+        """The alignment pass (word timestamps) of the last window decoded: `timing.AlignmentRequest`
+        -> (alignment heads' cross-attention logits, text token probabilities)."""
+        from .alignment import alignment_pass
+
+        cache = DecoderCache.allocate(self.model.config, 1, model_device(self.model), self._features.dtype)
+        self.model.model.decoder.fill_cross(cache, self._features)
+        [out] = alignment_pass(self.model.model.decoder, [request], cache.cross_k, cache.cross_v,
+                               self.model.alignment_heads, self.model.tokenizer.eot)
+        return out

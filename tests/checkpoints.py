@@ -41,7 +41,7 @@ def write_tokenizer(folder: Path, vocab_size: int, word_offset: int = 0) -> None
 def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_model: int = 64,
                     encoder_layers: int = 2, decoder_layers: int = 2, heads: int = 4,
                     seed: int = 0, init_std: float = 0.2, word_offset: int = 0,
-                    encoder_from: Path | None = None) -> Path:
+                    encoder_from: Path | None = None, ffn_dim: int | None = None) -> Path:
     """Save a random WhisperForConditionalGeneration + tokenizer + generation config."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_m
         vocab_size=vocab_size, num_mel_bins=n_mels, d_model=d_model,
         encoder_layers=encoder_layers, decoder_layers=decoder_layers,
         encoder_attention_heads=heads, decoder_attention_heads=heads,
-        encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model,
+        encoder_ffn_dim=ffn_dim or 2 * d_model, decoder_ffn_dim=ffn_dim or 2 * d_model,
         max_source_positions=1500, max_target_positions=448, init_std=init_std,
         pad_token_id=eot, bos_token_id=eot, eos_token_id=eot, decoder_start_token_id=sot)
     torch.manual_seed(seed)
@@ -75,6 +75,8 @@ def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_m
         decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot,
         max_length=448, suppress_tokens=suppress, begin_suppress_tokens=[220, eot],
         no_timestamps_token_id=ids["<|notimestamps|>"], is_multilingual=multilingual,
+        # openai's default when its table has no entry: every head of the second half of the layers
+        alignment_heads=[[layer, head] for layer in range(decoder_layers // 2, decoder_layers) for head in range(heads)],
         **(dict(lang_to_id=langs, task_to_id={t: ids[f"<|{t}|>"] for t in ("translate", "transcribe")})
            if multilingual else {}))
     gen.save_pretrained(folder)

@@ -112,3 +112,72 @@ def test_transcribe_real_speculative_long(tmp_path, capsys):
     want = Engine(real_folder("base")).transcribe(load_audio(path), language="en", seed=0)
     assert [s["text"] for s in out["segments"]] == [s.text for s in want.segments]
     assert out["duration"] > 30 and out["stats"]["drafted"] > 0
+
+
+WORDS = [[(" Hello", 0.0, 0.42, 0.9), (" there.", 0.42, 1.1, 0.8), (" How", 1.3, 1.5, 0.7), (" are", 1.5, 1.62, 0.9),
+          (" you", 1.62, 1.8, 0.95), (" doing", 1.8, 2.3, 0.9), (" today?", 2.3, 2.9, 0.6)],
+         [(" Bye", 6.2, 6.5, 0.9), (" --> ", 6.5, 6.6, 0.1), (" now.", 6.6, 7.04, 0.8)]]
+
+
+@pytest.fixture
+def word_engine(monkeypatch, stub_engine):
+    """The stub engine, its segments carrying words when word timestamps are asked for."""
+    from specwhisper.results import Word
+
+    def transcribe_long(self, progress):
+        segs = [Segment(0, 0, 0.0, 2.9, " Hello there. How are you doing today?", [1, 2]),
+                Segment(1, 0, 6.2, 7.04, " Bye --> now.", [3])]
+        if stub_engine[-1][0].word_timestamps:
+            for segment, words in zip(segs, WORDS):
+                segment.words = [Word(*w) for w in words]
+        return Transcription("".join(s.text for s in segs), [1, 2, 3], "en", segments=segs, duration=7.5)
+
+    monkeypatch.setattr("specwhisper.Engine.transcribe_long", transcribe_long)
+    return stub_engine
+
+
+@pytest.mark.parametrize("options", [
+    [], ["--highlight-words"], ["--max-line-width", "12"], ["--max-line-width", "16", "--max-line-count", "1"],
+    ["--max-words-per-line", "2", "--highlight-words"], ["--max-line-width", "10", "--max-line-count", "2",
+                                                         "--highlight-words"],
+])
+def test_word_subtitles_equal_openai_writers(word_engine, tmp_path, options):
+    """srt / vtt from words (cut by width, line count, words per line; highlighted) equal what
+    openai-whisper's writers write for the same result."""
+    from whisper.utils import WriteSRT, WriteVTT
+
+    audio = sample_paths()[0]
+    assert main(["transcribe", str(audio), "--target", "x", "--output-format", "all", "--output-dir", str(tmp_path),
+                 "--word-timestamps", "--quiet", "--hallucination-silence-threshold", "2", *options]) == 0
+    assert word_engine[-1][0].word_timestamps and word_engine[-1][0].hallucination_silence_threshold == 2.0
+    verbose = json.loads((tmp_path / f"{audio.stem}.verbose.json").read_text())
+    assert verbose["segments"][0]["words"][1] == {"word": " there.", "start": 0.42, "end": 1.1, "probability": 0.8}
+    assert [w["word"] for w in verbose["words"]][:3] == ["Hello", "there", "How"]
+    result = {"segments": verbose["segments"]}
+    writer_options = {"highlight_words": "--highlight-words" in options}
+    for flag in ("--max-line-width", "--max-line-count", "--max-words-per-line"):
+        writer_options[flag[2:].replace("-", "_")] = int(options[options.index(flag) + 1]) if flag in options else None
+    (tmp_path / "openai").mkdir()
+    for writer, ext in ((WriteSRT, "srt"), (WriteVTT, "vtt")):
+        writer(str(tmp_path / "openai"))(result, str(audio), **writer_options)
+        assert (tmp_path / f"{audio.stem}.{ext}").read_text() == (tmp_path / "openai" / f"{audio.stem}.{ext}").read_text()
+
+
+def test_segment_subtitles_equal_openai_writers(stub_engine, tmp_path):
+    from whisper.utils import WriteSRT, WriteVTT
+
+    audio = sample_paths()[0]
+    assert main(["transcribe", str(audio), "--target", "x", "--output-format", "all", "--output-dir", str(tmp_path),
+                 "--quiet"]) == 0
+    result = {"segments": json.loads((tmp_path / f"{audio.stem}.verbose.json").read_text())["segments"]}
+    assert "words" not in result["segments"][0]
+    (tmp_path / "openai").mkdir()
+    for writer, ext in ((WriteSRT, "srt"), (WriteVTT, "vtt")):
+        writer(str(tmp_path / "openai"))(result, str(audio))
+        assert (tmp_path / f"{audio.stem}.{ext}").read_text() == (tmp_path / "openai" / f"{audio.stem}.{ext}").read_text()
+
+
+def test_word_options_need_word_timestamps(stub_engine):
+    for option in (["--highlight-words"], ["--max-line-width", "10"], ["--hallucination-silence-threshold", "1"]):
+        with pytest.raises(SystemExit):
+            main(["transcribe", str(sample_paths()[0]), "--target", "x", *option])

@@ -170,6 +170,29 @@ def test_every_response_format_equals_the_engine(url, expected):
     assert verbose.segments[0].tokens == want.segments[0].tokens
 
 
+def test_word_timestamps_through_the_openai_client(url, expected):
+    """timestamp_granularities[]=word: OpenAI's top-level words, equal to the engine's word
+    timestamps; segments too when both granularities are asked for, none for words alone."""
+    from specwhisper.formats import to_verbose_json
+
+    client, want = openai_client(url), expected(word_timestamps=True, temperature=0.0)
+    want_words = [(w.word.strip(), w.start, w.end) for s in want.segments for w in s.words]
+    assert want_words and [(w["word"], w["start"], w["end"]) for w in to_verbose_json(want)["words"]] == want_words
+    words_only = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en",
+                                                    response_format="verbose_json", timestamp_granularities=["word"])
+    assert [(w.word, w.start, w.end) for w in words_only.words] == want_words
+    assert words_only.segments is None and words_only.text == want.text
+    both = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en",
+                                              response_format="verbose_json",
+                                              timestamp_granularities=["word", "segment"])
+    assert [(w.word, w.start, w.end) for w in both.words] == want_words
+    assert [(s.text, s.start, s.end) for s in both.segments] == [(s.text, s.start, s.end) for s in want.segments]
+    segments_only = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en",
+                                                       response_format="verbose_json",
+                                                       timestamp_granularities=["segment"])
+    assert segments_only.words is None and segments_only.segments
+
+
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the SDK marks translations deprecated
 def test_language_detection_and_translation_equal_the_engine(url, expected):
     client = openai_client(url)
@@ -263,8 +286,13 @@ BAD_REQUESTS = {
     "bad k": (dict(data={"num_draft_tokens": "99"}), 422, "num_draft_tokens", None),
     "negative seed": (dict(data={"seed": "-1"}), 422, "seed", None),
     "bad format": (dict(data={"response_format": "xml"}), 422, "response_format", None),
-    "word timestamps": (dict(data={"timestamp_granularities[]": ["segment", "word"]}), 400,
-                        "timestamp_granularities[]", "unsupported_value"),
+    "granularities without verbose_json": (dict(data={"timestamp_granularities[]": ["segment", "word"]}), 400,
+                                           "timestamp_granularities[]", "invalid_value"),
+    "granularities with stream": (dict(data={"timestamp_granularities[]": ["word"], "stream": "true",
+                                             "response_format": "verbose_json"}), 400,
+                                  "timestamp_granularities[]", "invalid_value"),
+    "unknown granularity": (dict(data={"timestamp_granularities[]": ["sentence"], "response_format": "verbose_json"}),
+                            422, None, None),
     "too large (content-length)": (dict(files={"file": ("a.wav", b"\0" * (2 << 20), "audio/wav")}),
                                    413, "file", "file_too_large"),
 }

@@ -1,0 +1,67 @@
+"""The alignment pass of word timestamps: one teacher-forced target decoder pass over kept
+windows' text tokens that returns the alignment heads' cross-attention logits and the text
+tokens' probabilities (what openai's `find_alignment` reads through forward hooks).
+
+It runs in plain PyTorch (the C++ decode step does not expose attention weights) over the
+cross-attention K/V each window already has, with no self-attention cache: the whole sequence is
+known, so every position attends causally within one pass. Windows of one iteration go as one
+batch, right-padded (a causal mask keeps padding from reaching real positions). The attention
+logits are computed as openai computes them, (q * s) @ (k * s)^T with s = head_dim^-1/4.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .timing import AlignmentRequest
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, T, Dh], k [B, H, S, Dh] -> float32 logits [B, H, T, S], openai's way."""
+    scale = q.shape[-1] ** -0.25
+    qk = (q * scale) @ (k * scale).transpose(-1, -2)
+    if mask is not None:
+        qk = qk + mask
+    return qk.float()
+
+
+@torch.inference_mode()
+def alignment_pass(decoder, requests: list[AlignmentRequest], cross_k: torch.Tensor, cross_v: torch.Tensor,
+                   heads: list[tuple[int, int]], eot: int) -> list[tuple[torch.Tensor, list[float]]]:
+    """For each request (row b of cross_k / cross_v [n_layers, B, H, 1500, Dh]): the alignment
+    heads' cross-attention logits [len(heads), len(tokens), 1500] (float32, on the CPU) and its
+    text tokens' probabilities among the text tokens (ids below `eot`), as openai's pass gives."""
+    B = len(requests)
+    device = decoder.embed_tokens.weight.device
+    T = max(len(r.tokens) for r in requests)
+    tokens = torch.full((B, T), eot, dtype=torch.long)
+    for b, r in enumerate(requests):
+        tokens[b, :len(r.tokens)] = torch.tensor(r.tokens)
+    tokens = tokens.to(device)
+    x = decoder.embed_tokens(tokens) + decoder.embed_positions.weight[:T]
+    causal = torch.full((T, T), -float("inf"), device=device, dtype=x.dtype).triu_(1)
+    layers_with_heads = {layer for layer, _ in heads}
+    logits_by_layer = {}
+    for i, layer in enumerate(decoder.layers):
+        sa, ca = layer.self_attn, layer.encoder_attn
+        q, k, v = sa.project(layer.self_attn_layer_norm(x), ("q", "k", "v"))
+        w = F.softmax(attention_logits(q, k, causal), dim=-1).to(q.dtype)
+        x = x + sa.out_proj((w @ v).transpose(1, 2).flatten(2))
+        q = ca.heads(ca.q_proj(layer.encoder_attn_layer_norm(x)))
+        ck, cv = cross_k[i].to(q.dtype), cross_v[i].to(q.dtype)
+        qk = attention_logits(q, ck)  # [B, H, T, 1500]
+        if i in layers_with_heads:
+            logits_by_layer[i] = qk
+        w = F.softmax(qk, dim=-1).to(q.dtype)
+        x = x + ca.out_proj((w @ cv).transpose(1, 2).flatten(2))
+        x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+    x = decoder.layer_norm(x)
+    weights = torch.stack([logits_by_layer[layer][:, head] for layer, head in heads], dim=1).cpu()  # [B, n, T, 1500]
+    out = []
+    for b, r in enumerate(requests):
+        n = len(r.text_tokens)
+        rows = x[b, r.n_prefix:r.n_prefix + n]  # each predicts the next text token
+        logits = (rows @ decoder.embed_tokens.weight[:eot].T).float()
+        probs = logits.softmax(dim=-1)[torch.arange(n, device=device), torch.tensor(r.text_tokens, device=device)]
+        out.append((weights[b, :, :len(r.tokens)], probs.tolist()))
+    return out

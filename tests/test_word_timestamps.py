@@ -1,0 +1,144 @@
+"""Word timestamps through the engine: equal to openai-whisper's `transcribe(word_timestamps=True)`
+on the same base weights (target-only, drafted by tiny.en and by itself, with and without
+previous-text conditioning, with `hallucination_silence_threshold`); the alignment pass batched
+over windows equals it window by window; bad requests are refused."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import real_folder
+from specwhisper import Engine
+from test_longform import assert_same, recording  # noqa: F401 (the 62 s flite recording fixture)
+
+
+def words_of(segments, key=lambda w: (w.word, w.start, w.end)):
+    return [[key(w) for w in s.words] for s in segments]
+
+
+def assert_same_words(out, ref):
+    """Identical segments (text, tokens, bounds, seek) and identical words and word times."""
+    assert_same(out, ref)
+    assert words_of(out.segments) == [[(w["word"], w["start"], w["end"]) for w in s["words"]] for s in ref["segments"]]
+    assert sum(map(len, words_of(out.segments))) >= 10
+    probs = [w.probability for s in out.segments for w in s.words]
+    assert probs == pytest.approx([w["probability"] for s in ref["segments"] for w in s["words"]], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def openai_base():
+    import whisper
+    from whisper_ref import openai_whisper
+
+    model = openai_whisper(real_folder("base"))
+    model.set_alignment_heads(whisper._ALIGNMENT_HEADS["base"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def base_engine():
+    return Engine(real_folder("base"))
+
+
+@pytest.fixture(scope="module")
+def short_recording(tmp_path_factory):
+    """≈ 32 s: two windows, for the variants."""
+    from whisper_ref import flite_recording
+
+    try:
+        audio, _ = flite_recording(tmp_path_factory.mktemp("words"), 31.0, seed=5)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return audio
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_words_equal_openai_target_only_and_tiny_draft(openai_base, base_engine, recording):
+    import whisper
+
+    ref = whisper.transcribe(openai_base, recording, language="en", fp16=False, word_timestamps=True)
+    assert len(ref["segments"]) >= 8
+    assert_same_words(base_engine.transcribe(recording, language="en", word_timestamps=True), ref)
+    spec = Engine(real_folder("base"), real_folder("tiny.en")).transcribe(recording, language="en", num_draft_tokens=4,
+                                                                          word_timestamps=True)
+    assert_same_words(spec, ref)
+    assert spec.stats.drafted > 0 and spec.stats.accepted > 0
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_words_equal_openai_without_conditioning_target_only_and_self_draft(openai_base, base_engine,
+                                                                             short_recording):
+    import whisper
+
+    ref = whisper.transcribe(openai_base, short_recording, language="en", fp16=False, word_timestamps=True,
+                             condition_on_previous_text=False)
+    kwargs = dict(language="en", word_timestamps=True, condition_on_previous_text=False)
+    assert_same_words(base_engine.transcribe(short_recording, **kwargs), ref)
+    spec = Engine(real_folder("base"), real_folder("base")).transcribe(short_recording, num_draft_tokens=4, **kwargs)
+    assert_same_words(spec, ref)
+    assert spec.stats.accepted > 0
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_words_equal_openai_with_hallucination_silence_threshold(openai_base, base_engine, short_recording):
+    """A long silence inside the recording, and the threshold below it: openai's skipping of
+    silence around likely hallucinations, reproduced."""
+    import whisper
+
+    audio = np.concatenate([short_recording[:16000 * 9], np.zeros(16000 * 14, np.float32),
+                            short_recording[16000 * 9:16000 * 22]])
+    ref = whisper.transcribe(openai_base, audio, language="en", fp16=False, word_timestamps=True,
+                             hallucination_silence_threshold=0.5)
+    out = base_engine.transcribe(audio, language="en", word_timestamps=True, hallucination_silence_threshold=0.5)
+    assert_same_words(out, ref)
+
+
+# ---------------------------------------------------------------- batching, refusals (tiny random model)
+def test_batched_alignment_equals_one_window_at_a_time(multilingual):
+    """Three recordings decoded together: their windows finish in the same iterations, so one
+    alignment pass serves several windows; each result equals the recording transcribed alone."""
+    engine = Engine(multilingual, background=False)
+    batches = []
+    align = engine.runner.align
+    engine.runner.align = lambda slots, requests: batches.append(len(slots)) or align(slots, requests)
+    rng = np.random.default_rng(0)
+    audios = [(0.3 * rng.standard_normal(16000 * s)).astype(np.float32) for s in (31, 33, 36)]
+    kwargs = dict(language="en", temperature=0.0, max_new_tokens=8, word_timestamps=True)
+    futures = [engine.submit(a, **kwargs) for a in audios]
+    engine.run_until(futures)
+    together = [f.result() for f in futures]
+    assert max(batches) >= 2
+    for audio, out in zip(audios, together):
+        alone = engine.transcribe(audio, **kwargs)
+        assert [s.to_dict() for s in out.segments] == [s.to_dict() for s in alone.segments]
+        assert any(s.words for s in alone.segments)
+    json.dumps([s.to_dict() for s in together[0].segments])  # plain numbers
+
+
+def test_word_options_are_checked(multilingual, tmp_path):
+    engine = Engine(multilingual, background=False)
+    audio = np.zeros(16000 * 2, np.float32)
+    with pytest.raises(ValueError, match="needs word_timestamps"):
+        engine.transcribe(audio, language="en", hallucination_silence_threshold=1.0)
+    with pytest.raises(ValueError, match="needs timestamps"):
+        engine.transcribe(audio, language="en", word_timestamps=True, timestamps=False)
+    with pytest.raises(ValueError, match="hallucination_silence_threshold must be"):
+        engine.transcribe(audio, language="en", word_timestamps=True, hallucination_silence_threshold=-1.0)
+    short = engine.transcribe(audio, language="en", word_timestamps=True, max_new_tokens=4)
+    assert all(s.words is not None for s in short.segments)  # any length runs the long-form algorithm
+    assert engine.transcribe(audio, language="en").segments[0].words is None
+
+    import shutil
+
+    folder = tmp_path / "no_heads"
+    shutil.copytree(multilingual, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    del config["alignment_heads"]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="alignment_heads"):
+        Engine(folder, background=False).transcribe(audio, language="en", word_timestamps=True)
