@@ -17,7 +17,7 @@ setup(
     },
     package_data={
         "specwhisper.csrc": ["*.cpp", "*.cu", "*.h"],
-        "specwhisper.samples": ["*.wav", "*.json", "*.txt", "*.sh"],
+        "specwhisper.samples": ["*.wav", "*.flac", "*.json", "*.txt", "*.sh"],
     },
     include_package_data=True,
 )

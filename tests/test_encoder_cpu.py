@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import real_folder
+
 from specwhisper import Engine, encoder_cpu, load_audio, log_mel_spectrogram
 from specwhisper.samples import sample_paths
 from specwhisper.weights import load_whisper
