@@ -82,7 +82,7 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(model_folder(args.target), model_folder(args.draft), args.target, args.k, args.threads,
-                    args.seconds, ct2=not args.no_ctranslate2)
+                    args.seconds, ct2=not args.no_ctranslate2, repeats=args.repeats)
 
 
 def cmd_fetch(args) -> int:
@@ -254,6 +254,8 @@ def main(argv=None) -> int:
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--seconds", type=float, default=None, help="transcribe only the first SECONDS of the recording")
     d.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 int8 comparison")
+    d.add_argument("--repeats", type=int, default=1,
+                   help="time target-only and speculative this many interleaved rounds (medians)")
     d.set_defaults(func=cmd_demo)
 
     f = sub.add_parser("fetch", help="download and convert real checkpoints (base, tiny.en)")

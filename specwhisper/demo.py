@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,7 @@ def ctranslate2_run(name: str, mel: np.ndarray, tokenizer, threads: int, compute
 
 
 def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: int,
-             seconds: float | None, ct2: bool) -> int:
+             seconds: float | None, ct2: bool, repeats: int = 1) -> int:
     import torch
 
     from . import Engine, load_audio, log_mel_spectrogram
@@ -125,11 +126,17 @@ def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: 
     spec.transcribe(warm, language="en", num_draft_tokens=k)
     status("")
 
-    print("Transcribing (openai-whisper's long-form algorithm, greedy with temperature fallback, seed 0):")
-    a, t_plain = transcribe(plain, mel, "target-only", duration)
-    print(f"  target-only    {t_plain:6.1f} s")
-    b, t_spec = transcribe(spec, mel, "speculative", duration, num_draft_tokens=k)
-    print(f"  speculative    {t_spec:6.1f} s")
+    print("Transcribing (openai-whisper's long-form algorithm, greedy with temperature fallback, seed 0)"
+          + (f", {repeats} interleaved rounds, medians:" if repeats > 1 else ":"))
+    plain_times, spec_times = [], []
+    for _ in range(repeats):  # interleaved: a busy spell of the machine hits both alike
+        a, t = transcribe(plain, mel, "target-only", duration)
+        plain_times.append(t)
+        print(f"  target-only    {t:6.1f} s")
+        b, t = transcribe(spec, mel, "speculative", duration, num_draft_tokens=k)
+        spec_times.append(t)
+        print(f"  speculative    {t:6.1f} s")
+    t_plain, t_spec = statistics.median(plain_times), statistics.median(spec_times)
     runs = [Run(f"target-only ({target_name})", t_plain, a.text, a.tokens),
             Run(f"speculative (+ {Path(draft).name}, k={'adaptive' if k is None else k})", t_spec, b.text, b.tokens,
                 note=speculation_note(b.stats))]
