@@ -1,8 +1,10 @@
 // fp32 FMA peak of this CPU: `threads` threads, each running 12 independent FMA chains on
 // vector registers (enough to cover FMA latency x ports), for `seconds`. Prints GFLOP/s.
-// Built by bench/fma_peak.py with -mavx2 -mfma (WIDTH 8) or -mavx512f (WIDTH 16).
+// Prints GFLOP/s of wall time, GFLOP per CPU second (all threads), and a sink value.
+// Built by bench/encoder.py with -mavx2 -mfma (WIDTH 8) or -mavx512f (WIDTH 16).
 #include <immintrin.h>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -48,10 +50,12 @@ int main(int argc, char** argv) {
   std::vector<std::thread> pool;
   std::vector<double> sink(threads);
   t0 = std::chrono::steady_clock::now();
+  std::clock_t c0 = std::clock();
   for (int t = 0; t < threads; t++) pool.emplace_back([&, t] { sink[t] = run(iters, t + 1.0f); });
   for (auto& th : pool) th.join();
   dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double cpu = double(std::clock() - c0) / CLOCKS_PER_SEC;  // CPU seconds of all threads
   double flops = 2.0 * WIDTH * 12 * iters * threads;
-  printf("%.2f %g\n", flops / dt / 1e9, sink[0] + keep);
+  printf("%.2f %.2f %g\n", flops / dt / 1e9, flops / cpu / 1e9, sink[0] + keep);
   return 0;
 }

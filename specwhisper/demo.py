@@ -119,7 +119,7 @@ def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: 
 
     status("loading models ...")
     plain, spec = Engine(target), Engine(target, draft)
-    mel = log_mel_spectrogram(audio, n_mels=plain.n_mels)  # [n_mels, frames]: the whole recording
+    mel = log_mel_spectrogram(audio, n_mels=plain.n_mels, whole=True)  # [n_mels, frames]: the whole recording
     status("warming up (the first run builds the C++ decode ops) ...")
     warm = mel[:, :1000]
     plain.transcribe(warm, language="en")

@@ -1,6 +1,8 @@
 """`specwhisper demo`: the bundled recording, the CTranslate2 worker's seek rules, and a short real run."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import soundfile
 from conftest import real_folder
@@ -43,3 +45,5 @@ def test_demo_prints_its_measurements_and_speculation_is_exact(capsys):
     assert code == 0
     assert "vector level:" in out and "target-only (base)" in out and "speculative (+ tiny.en" in out
     assert "Speculative tokens identical to target-only: yes" in out
+    windows = re.search(r"greedy, (\d+) windows", out)  # CTranslate2 walked the whole 35 s, not one window
+    assert windows is None or int(windows.group(1)) >= 2
