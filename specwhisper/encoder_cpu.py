@@ -121,8 +121,9 @@ def im2col(x: torch.Tensor, stride: int) -> torch.Tensor:
 
 
 def parameter_key(encoder) -> tuple:
-    """Changes when any parameter is replaced or modified in place."""
-    return tuple((p.data_ptr(), p._version) for p in encoder.parameters())
+    """Changes when any parameter is replaced or modified in place (inference tensors, made under
+    `torch.inference_mode`, keep no version counter: their identity alone is the key)."""
+    return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in encoder.parameters())
 
 
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
