@@ -4,7 +4,9 @@ Question answered: on ≈ 25 s speech windows (whisper-base, 2 threads), what do
 decoder step cost against the memory-bandwidth floor, against CTranslate2 float32 and
 `transformers` generate; what does a verify pass of k+1 = 2..9 rows cost relative to one step;
 what does a draft step cost; and what are the end-to-end tokens/s and speedups of target-only and
-speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfloat16 path?
+speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfloat16 path and
+CTranslate2 int8 (faster-whisper's CPU default)? It also prints the CPU model and flags, and the
+encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/encoder.py).
 
     python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
     python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -39,6 +42,9 @@ from specwhisper import Engine, cpu_ops, load_audio, log_mel_spectrogram
 from specwhisper.fetch import ct2_dir, fetch
 from specwhisper.model import DecoderCache
 from specwhisper.wer import wer
+
+sys.path.insert(0, str(Path(__file__).parent))
+import encoder as encoder_bench  # noqa: E402  (bench/encoder.py: encoder GFLOP/s beside the FMA peak)
 
 SENTENCES = [
     "The weather today will be mostly sunny, with a high of seventy two degrees.",
@@ -108,13 +114,14 @@ class CT2Worker:
     """CTranslate2 in a subprocess (bench/ct2_worker.py): its OpenMP runtime must not share this
     process's cores with PyTorch's."""
 
-    def __init__(self, folder, mels, threads: int, prompt: list[int], tmp: Path):
+    def __init__(self, folder, mels, threads: int, prompt: list[int], tmp: Path, compute_type: str = "float32"):
         self.mels = mels
         path = tmp / "mels.npy"
         np.save(path, np.stack([m.numpy() for m in mels]))
         worker = Path(__file__).with_name("ct2_worker.py")
         self.proc = subprocess.Popen([sys.executable, str(worker), str(folder), str(path), str(threads),
-                                      json.dumps(prompt)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      json.dumps(prompt), compute_type],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if not json.loads(self.proc.stdout.readline() or "{}").get("ready"):
             raise RuntimeError("the CTranslate2 worker did not start (see its error above)")
 
@@ -256,11 +263,15 @@ def main() -> None:
     windows = synthesize_windows(args.windows, Path(tmp_dir.name))
     mels = [log_mel_spectrogram(a) for a, _ in windows]
     texts = [t for _, t in windows]
+    print(f"CPU: {cpu_model()}; torch kernels {torch.backends.cpu.get_cpu_capability()}", flush=True)
     result = dict(machine=cpu_model(), threads=args.threads,
                   torch=torch.__version__, decode_ops=cpu_ops.available(),
                   window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)
 
     engine = Engine(base)
+    result["encoder"] = encoder_bench.measure(engine.target.model.encoder, engine.target.config, args.threads,
+                                              args.repeats, Path(os.environ.get("SPECWHISPER_BUILD_DIR", ".build")))
+    print(f"encoder: {encoder_bench.line(result['encoder'])}", flush=True)
     result["bandwidth"] = bandwidth()
     result["bytes_per_token"] = bytes_per_token(engine)
     floor_ms = 1e3 * result["bytes_per_token"]["total"] / (result["bandwidth"]["GBps"] * 1e9)
@@ -297,9 +308,12 @@ def main() -> None:
 
     prompt = engine.target.tokenizer.prompt("en", "transcribe")
     ct2 = CT2Worker(ct2_dir("base"), mels, args.threads, prompt, Path(tmp_dir.name))
+    ct2_int8 = CT2Worker(ct2_dir("base"), mels, args.threads, prompt, Path(tmp_dir.name), "int8")
     systems = [("specwhisper target-only", ours(engine), our_encoder(engine)),
                ("CTranslate2 float32", lambda mel: ct2.call("generate", mel),
-                lambda mel: ct2.call("encode", mel))]
+                lambda mel: ct2.call("encode", mel)),
+               ("CTranslate2 int8", lambda mel: ct2_int8.call("generate", mel),
+                lambda mel: ct2_int8.call("encode", mel))]
     if not args.no_hf:
         from transformers import WhisperForConditionalGeneration
 
@@ -329,6 +343,7 @@ def main() -> None:
     systems.append(("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16)))
     runs = end_to_end(systems, mels, args.repeats)
     ct2.close()
+    ct2_int8.close()
     for r in runs:
         if r["name"] in seen:
             stats = seen[r["name"]]
@@ -361,6 +376,8 @@ def markdown(r: dict) -> str:
              f"{r['bandwidth']['copy_GBps']:.1f}); bytes per token {r['bytes_per_token']['total'] / 1e6:.0f} MB "
              f"(blocks {r['bytes_per_token']['blocks'] / 1e6:.0f}, head {r['bytes_per_token']['head'] / 1e6:.0f}, "
              f"cross K/V {r['bytes_per_token']['cross_kv'] / 1e6:.0f}) -> floor {r['floor_ms']:.1f} ms/token", "",
+             f"Encoder (float32, one window) beside the FMA peak measured in the same run: "
+             f"{encoder_bench.line(r['encoder'])}", "",
              "| per token | ms | × floor |", "|---|---|---|",
              f"| target step (blocks + screened head, position {r['position']}) | {r['step_ms'][1]:.1f} | "
              f"{r['step_ms'][1] / r['floor_ms']:.2f} |",

@@ -8,7 +8,7 @@ the outside (a pipe round trip, well under a millisecond, is included).
 Protocol (one JSON object per line on stdin / stdout): {"op": "generate" | "encode", "mel":
 index into the windows of MELS} -> {"tokens": [...]} (generate) or {} (encode); EOF ends it.
 
-    python bench/ct2_worker.py CT2_DIR MELS.npy THREADS PROMPT_IDS_JSON
+    python bench/ct2_worker.py CT2_DIR MELS.npy THREADS PROMPT_IDS_JSON [COMPUTE_TYPE (float32)]
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import numpy as np
 
 def main() -> None:
     folder, mels_path, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+    compute_type = sys.argv[5] if len(sys.argv) > 5 else "float32"
     mels = np.load(mels_path)
-    model = ctranslate2.models.Whisper(folder, device="cpu", compute_type="float32", intra_threads=threads)
+    model = ctranslate2.models.Whisper(folder, device="cpu", compute_type=compute_type, intra_threads=threads)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_ops
+from . import cpu_ops, encoder_cpu
 from .config import WhisperConfig
 
 
@@ -88,6 +88,7 @@ class Encoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     features_dtype: torch.dtype | None = None  # dtype of the returned features (None: the weights')
+    fast_cpu = True  # float32 on the CPU: `encoder_cpu` (oneDNN fused products); False: `reference`
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [B, n_mels, 3000] -> audio features [B, 1500, d_model], computed in the weights'
@@ -95,11 +96,17 @@ class Encoder(nn.Module):
         bfloat16 arithmetic keeps a float32 encoder: 7x faster here)."""
         out = self.features_dtype or self.conv1.weight.dtype
         mel = mel.to(self.conv1.weight.dtype)
+        if self.fast_cpu and encoder_cpu.usable(self, mel):
+            return encoder_cpu.encode(self, mel).to(out)
+        return self.reference(mel).to(out)
+
+    def reference(self, mel: torch.Tensor) -> torch.Tensor:
+        """The spec: mel [B, n_mels, frames] -> features [B, frames // 2, d] in the weights' dtype."""
         x = F.gelu(self.conv2(F.gelu(self.conv1(mel)))).transpose(1, 2)
         x = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
             x = layer(x)
-        return self.layer_norm(x).to(out)
+        return self.layer_norm(x)
 
 
 @dataclass

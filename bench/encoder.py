@@ -1,0 +1,125 @@
+"""The encoder against the CPU's float32 peak, in one run.
+
+Question answered: how many GFLOP/s does whisper's encoder (float32, one full 30 s window) reach,
+fast path (`specwhisper/encoder_cpu.py`) and reference forward, beside the float32 FMA peak
+measured in the same run by bench/fma_peak.cpp (independent FMA chains on every thread, 256-bit
+AVX2 or 512-bit AVX-512 as torch's kernels use)? Peak and encoders are timed interleaved (each
+repeat runs all of them in turn), so a busy spell of a shared machine hits all alike; medians and
+spreads (min..max) are reported. On a machine shared with other work, wall-clock figures
+measure the share of the cores this process got; the run also reports GFLOP per CPU-second
+(process CPU time of all threads, for the FMA loop and the encoder alike; an OpenMP thread
+spinning at a barrier counts as busy, so this understates the encoder), which such sharing
+disturbs far less.
+
+    python bench/encoder.py                     # base, 2 threads, 5 repeats
+    ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/encoder.py
+
+FLOPs are counted analytically (multiply-add = 2): the two convolutions, per layer the q/k/v and
+out projections, attention's QK^T and PV over all positions, and the MLP. Layer norms, GELU,
+softmax and adds are not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+FMA_SOURCE = Path(__file__).with_name("fma_peak.cpp")
+
+
+def encoder_flops(cfg, frames: int = 3000) -> float:
+    """Multiply-add FLOPs of one encoder pass over `frames` mel frames."""
+    d, T, F = cfg.d_model, frames // 2, cfg.encoder_ffn_dim
+    conv = 2 * frames * d * cfg.num_mel_bins * 3 + 2 * T * d * d * 3
+    layer = 2 * T * d * 3 * d + 2 * T * d * d + 2 * 2 * T * T * d + 2 * 2 * T * d * F
+    return conv + cfg.encoder_layers * layer
+
+
+def fma_binary(width: int, build_dir: Path) -> Path:
+    """Compile bench/fma_peak.cpp for 8 (AVX2) or 16 (AVX-512) float lanes (g++)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    out = build_dir / f"fma_peak{width}"
+    isa = ["-mavx2", "-mfma"] if width == 8 else ["-mavx512f", "-mfma"]
+    if not out.exists() or out.stat().st_mtime < FMA_SOURCE.stat().st_mtime:
+        subprocess.run(["g++", "-O2", f"-DWIDTH={width}", *isa, "-pthread", str(FMA_SOURCE), "-o", str(out)],
+                       check=True)
+    return out
+
+
+def fma_peak(binary: Path, threads: int, seconds: float = 0.3) -> tuple[float, float]:
+    """(GFLOP/s, GFLOP per CPU-second) of independent FMA chains on `threads` threads, measured now."""
+    done = subprocess.run([str(binary), str(threads), str(seconds)], capture_output=True, text=True, check=True)
+    wall, cpu = done.stdout.split()[:2]
+    return float(wall), float(cpu)
+
+
+def vector_width() -> int:
+    """Float lanes of the vector level torch's kernels use (ATEN_CPU_CAPABILITY may hold it lower)."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def measure(encoder, cfg, threads: int, repeats: int, build_dir: Path) -> dict:
+    """Interleaved: FMA peak, fast encoder, reference encoder -> GFLOP/s medians and spreads."""
+    torch.set_num_threads(threads)
+    binary = fma_binary(vector_width(), build_dir)
+    mel = torch.randn(1, cfg.num_mel_bins, 3000, generator=torch.Generator().manual_seed(0))
+    flops = encoder_flops(cfg)
+    runs = {"fast": lambda: encoder(mel), "reference": lambda: encoder.reference(mel)}
+    seconds = {name: [] for name in runs}
+    cpu_seconds = {name: [] for name in runs}
+    peaks, cpu_peaks = [], []
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # warm-up (and the fast path's weight packing)
+        for _ in range(repeats):
+            wall, cpu = fma_peak(binary, threads)
+            peaks.append(wall)
+            cpu_peaks.append(cpu)
+            for name, run in runs.items():
+                start, cpu_start = time.perf_counter(), time.process_time()
+                run()
+                seconds[name].append(time.perf_counter() - start)
+                cpu_seconds[name].append(time.process_time() - cpu_start)
+    out = dict(threads=threads, capability=torch.backends.cpu.get_cpu_capability(), gflop=flops / 1e9,
+               peak_gflops=statistics.median(peaks), peak_spread=(min(peaks), max(peaks)),
+               peak_gflop_per_cpu_s=statistics.median(cpu_peaks))
+    for name, s in seconds.items():
+        out[name] = dict(seconds=statistics.median(s), spread=(min(s), max(s)),
+                         gflops=flops / statistics.median(s) / 1e9,
+                         gflop_per_cpu_s=flops / statistics.median(cpu_seconds[name]) / 1e9)
+        out[name]["of_peak"] = out[name]["gflops"] / out["peak_gflops"]
+        out[name]["of_peak_cpu"] = out[name]["gflop_per_cpu_s"] / out["peak_gflop_per_cpu_s"]
+    return out
+
+
+def line(r: dict) -> str:
+    return (f"{r['capability']}, {r['threads']} thread(s): FMA peak {r['peak_gflops']:.1f} GFLOP/s "
+            f"({r['peak_spread'][0]:.1f}..{r['peak_spread'][1]:.1f}), {r['peak_gflop_per_cpu_s']:.1f} GFLOP per "
+            f"CPU-s; encoder {r['gflop']:.1f} GFLOP: "
+            + "; ".join(f"{name} {r[name]['seconds']:.3f} s ({r[name]['spread'][0]:.3f}..{r[name]['spread'][1]:.3f}) "
+                        f"= {r[name]['gflops']:.1f} GFLOP/s, {r[name]['of_peak']:.0%} of peak; "
+                        f"{r[name]['gflop_per_cpu_s']:.1f} GFLOP per CPU-s, {r[name]['of_peak_cpu']:.0%} of peak"
+                        for name in ("fast", "reference")))
+
+
+def main() -> None:
+    from specwhisper.fetch import fetch
+    from specwhisper.weights import load_whisper
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="base")
+    p.add_argument("--threads", type=int, nargs="+", default=[2])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--build-dir", type=Path, default=Path(".build"))
+    args = p.parse_args()
+    model = load_whisper(fetch(args.model))
+    for threads in args.threads:
+        print(line(measure(model.encoder, model.config, threads, args.repeats, args.build_dir)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

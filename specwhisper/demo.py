@@ -1,0 +1,173 @@
+"""`specwhisper demo`: the main job, measured and printed as it is.
+
+Transcribes the bundled ≈ 2 minute recording (samples/demo.flac: four flite voices taking turns)
+with openai-whisper's long-form algorithm, target-only and speculative (the draft's length adapts,
+and the controller switches drafting off where it does not pay), and with CTranslate2 int8 (the
+CPU default of faster-whisper) in its own process when `ctranslate2` is installed. Prints the CPU's
+vector level, each system's wall time, real-time factor and WER, and whether the speculative
+tokens are identical to target-only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SAMPLE_RATE, FRAMES_PER_SECOND = 16000, 100
+
+
+@dataclass
+class Run:
+    system: str
+    seconds: float
+    text: str
+    tokens: list[int] | None = None
+    note: str = ""
+
+
+def vector_level() -> str:
+    """The CPU's widest vector extensions (from /proc/cpuinfo) and the level torch's kernels use."""
+    import torch
+
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    levels = [name for name, flag in (("avx2", "avx2"), ("avx512", "avx512f"), ("avx512-bf16", "avx512_bf16"),
+                                      ("amx", "amx_tile")) if flag in flags]
+    held = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA") if os.environ.get(v)]
+    return (f"{' + '.join(levels) or 'unknown'} (torch kernels: {torch.backends.cpu.get_cpu_capability()}"
+            + (f"; held by {', '.join(held)}" if held else "") + ")")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def status(text: str) -> None:
+    print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+
+
+def transcribe(engine, mel, label: str, duration: float, **kwargs):
+    """Long-form transcription of the whole-recording log-mel, with a progress line."""
+    def progress(seek: int, frames: int) -> None:
+        status(f"  {label}: {min(seek, frames) / FRAMES_PER_SECOND:5.1f} / {duration:.1f} s of audio")
+
+    start = time.perf_counter()
+    out = engine.submit(mel, language="en", timestamps=True, seed=0, progress=progress, **kwargs).result()
+    seconds = time.perf_counter() - start
+    status("")
+    return out, seconds
+
+
+def ctranslate2_run(name: str, mel: np.ndarray, tokenizer, threads: int, compute_type: str) -> Run:
+    """CTranslate2 on the original checkpoint of `name`, in its own process (`ct2_longform`)."""
+    from .fetch import ct2_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mel.npy"
+        np.save(path, mel)
+        cmd = [sys.executable, "-m", "specwhisper.ct2_longform", str(ct2_dir(name)), str(path), str(threads),
+               compute_type, json.dumps(tokenizer.sot_sequence("en", "transcribe")),
+               str(tokenizer.timestamp_begin), str(tokenizer.eot)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"CTranslate2 worker failed: {done.stderr.strip()[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return Run(f"CTranslate2 {compute_type}", result["seconds"], tokenizer.decode(result["tokens"]),
+               note=f"greedy, {result['windows']} windows, no previous-text prompt or fallback")
+
+
+def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: int,
+             seconds: float | None, ct2: bool, repeats: int = 1) -> int:
+    import torch
+
+    from . import Engine, load_audio, log_mel_spectrogram
+    from .fetch import MODELS
+    from .samples import demo_recording
+    from .wer import wer
+
+    torch.set_num_threads(threads)
+    path, reference = demo_recording()
+    audio = load_audio(path)
+    if seconds is not None:
+        audio = audio[: int(seconds * SAMPLE_RATE)]
+    duration = len(audio) / SAMPLE_RATE
+    print(f"CPU: {cpu_name()}, {threads} threads; vector level: {vector_level()}")
+    print(f"Recording: {path.name}, {duration:.1f} s, four voices (reference transcript beside it)")
+
+    status("loading models ...")
+    plain, spec = Engine(target), Engine(target, draft)
+    mel = log_mel_spectrogram(audio, n_mels=plain.n_mels, whole=True)  # [n_mels, frames]: the whole recording
+    status("warming up (the first run builds the C++ decode ops) ...")
+    warm = mel[:, :1000]
+    plain.transcribe(warm, language="en")
+    spec.transcribe(warm, language="en", num_draft_tokens=k)
+    status("")
+
+    print("Transcribing (openai-whisper's long-form algorithm, greedy with temperature fallback, seed 0)"
+          + (f", {repeats} interleaved rounds, medians:" if repeats > 1 else ":"))
+    plain_times, spec_times = [], []
+    for _ in range(repeats):  # interleaved: a busy spell of the machine hits both alike
+        a, t = transcribe(plain, mel, "target-only", duration)
+        plain_times.append(t)
+        print(f"  target-only    {t:6.1f} s")
+        b, t = transcribe(spec, mel, "speculative", duration, num_draft_tokens=k)
+        spec_times.append(t)
+        print(f"  speculative    {t:6.1f} s")
+    t_plain, t_spec = statistics.median(plain_times), statistics.median(spec_times)
+    runs = [Run(f"target-only ({target_name})", t_plain, a.text, a.tokens),
+            Run(f"speculative (+ {Path(draft).name}, k={'adaptive' if k is None else k})", t_spec, b.text, b.tokens,
+                note=speculation_note(b.stats))]
+    if ct2 and importlib.util.find_spec("ctranslate2") is not None and target_name in MODELS:
+        status("  CTranslate2 int8 (own process) ...")
+        try:
+            runs.append(ctranslate2_run(target_name, mel.numpy(), plain.target.tokenizer, threads, "int8"))
+            print(f"  CTranslate2    {runs[-1].seconds:6.1f} s")
+        except (RuntimeError, OSError, ValueError) as exc:
+            print(f"  CTranslate2 int8 skipped: {exc}")
+        status("")
+    elif ct2:
+        print("  (CTranslate2 int8 not run: `pip install ctranslate2` and a fetched model name as --target)")
+
+    reference_text = reference if seconds is None else None
+    print(f"\nSpeculative transcript:\n  {b.text}\n")
+    print(f"{'system':44s} {'seconds':>8s} {'x real time':>12s} {'vs target-only':>15s} {'WER':>7s}")
+    for run in runs:
+        score = f"{wer([reference_text], [run.text]):.1%}" if reference_text else "-"
+        print(f"{run.system:44s} {run.seconds:8.1f} {duration / run.seconds:12.1f} "
+              f"{t_plain / run.seconds:14.2f}x {score:>7s}" + (f"   {run.note}" if run.note else ""))
+    same = a.tokens == b.tokens
+    print(f"\nSpeculative tokens identical to target-only: {'yes' if same else 'NO'} "
+          f"({len(a.tokens)} tokens)" + ("" if reference_text else "; WER needs the whole recording"))
+    return 0 if same else 1
+
+
+def speculation_note(stats) -> str:
+    if stats.draft_skipped:
+        return f"draft stood aside: {stats.draft_skipped}"
+    if stats.drafted == 0:
+        return "drafting stayed off: the adaptive controller measured that it does not pay on this CPU"
+    return (f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens per target pass, "
+            f"{stats.drafted} drafted")

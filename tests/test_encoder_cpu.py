@@ -1,0 +1,87 @@
+"""The CPU encoder fast path (`specwhisper/encoder_cpu.py`) against the reference forward: features
+equal to float rounding, independent of batch neighbours, rebuilt after weights change, and the
+real base model's greedy tokens unchanged on long speech."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import real_folder
+
+from specwhisper import Engine, encoder_cpu, load_audio, log_mel_spectrogram
+from specwhisper.samples import sample_paths
+from specwhisper.weights import load_whisper
+
+pytestmark = pytest.mark.skipif(not encoder_cpu.available(), reason="torch without oneDNN (mkldnn) ops")
+
+
+@pytest.fixture(scope="module")
+def encoder(multilingual):
+    return load_whisper(multilingual).encoder
+
+
+def test_fast_path_equals_reference(encoder):
+    mel = torch.randn(2, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(0))
+    assert encoder_cpu.usable(encoder, mel)
+    with torch.no_grad():
+        fast, ref = encoder(mel), encoder.reference(mel)
+    assert fast.shape == ref.shape and fast.dtype == torch.float32
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_window_does_not_depend_on_its_batch_neighbours(encoder):
+    g = torch.Generator().manual_seed(1)
+    mels = torch.randn(3, encoder.conv1.in_channels, 3000, generator=g)
+    with torch.no_grad():
+        together = encoder(mels)
+        alone = [encoder(m[None])[0] for m in mels]
+    for row, single in zip(together, alone):
+        assert torch.equal(row, single)
+
+
+def test_packed_weights_follow_in_place_changes(encoder):
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = encoder(mel)
+        fc1 = encoder.layers[0].fc1.weight
+        saved = fc1.clone()
+        fc1.mul_(1.5)
+        try:
+            changed, ref = encoder(mel), encoder.reference(mel)
+        finally:
+            fc1.copy_(saved)
+        after = encoder(mel)
+    assert not torch.allclose(changed, before, atol=1e-3)
+    torch.testing.assert_close(changed, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(after, before)
+
+
+def test_autograd_and_other_dtypes_take_the_reference(encoder):
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000)
+    assert not encoder_cpu.usable(encoder, mel.double())
+    assert not encoder_cpu.usable(encoder, mel[0])
+    encoder.layers[0].fc1.weight.requires_grad_(True)
+    try:
+        assert not encoder_cpu.usable(encoder, mel)
+        with torch.no_grad():
+            assert encoder_cpu.usable(encoder, mel)
+    finally:
+        encoder.layers[0].fc1.weight.requires_grad_(False)
+
+
+@pytest.mark.real
+def test_real_base_tokens_unchanged_on_long_speech():
+    """Whisper-base greedy on ≈ 25 s windows (the bundled samples joined): the fast encoder's
+    tokens equal the reference encoder's, token for token."""
+    engine = Engine(real_folder("base"))
+    audio = np.concatenate([np.concatenate([load_audio(p), np.zeros(4800, np.float32)]) for p in sample_paths()])
+    windows = [audio[i:i + 25 * 16000] for i in (0, len(audio) - 25 * 16000)]
+    mels = torch.stack([log_mel_spectrogram(w, n_mels=80) for w in windows])
+    encoder = engine.target.model.encoder
+    fast = [o.tokens for o in engine.transcribe(mels, language="en")]
+    encoder.fast_cpu = False
+    try:
+        ref = [o.tokens for o in engine.transcribe(mels, language="en")]
+    finally:
+        encoder.fast_cpu = True
+    assert fast == ref and all(len(t) > 30 for t in fast)
