@@ -73,10 +73,17 @@ def test_errors_are_one_line_with_their_exit_code(tmp_path, audio_folder, multil
 
 def ray_descendants(process: psutil.Process) -> list[psutil.Process]:
     try:
-        return [p for p in process.children(recursive=True)
-                if "ray" in p.name().lower() or any("ray" in part for part in p.cmdline()[:3])]
+        children = process.children(recursive=True)
     except psutil.Error:
         return []
+    found = []
+    for p in children:
+        try:
+            if "ray" in p.name().lower() or any("ray" in part for part in p.cmdline()[:3]):
+                found.append(p)
+        except psutil.Error:  # ended meanwhile
+            pass
+    return found
 
 
 @pytest.mark.slow  # two Ray start-ups (~20 s each on 2 cores) and one small job
