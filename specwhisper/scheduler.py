@@ -159,6 +159,7 @@ class Scheduler:
         hold), then the finished rows leave (slots compacted)."""
         done = progress[0].tolist()
         errors: dict[int, BaseException] = {}
+        recorded = []
         for slot in range(len(self.running)):
             req = self.running[slot]
             if done[slot] and not req.future.abandoned:
@@ -166,9 +167,10 @@ class Scheduler:
                 self._account(req, output)
                 try:
                     req.job.record(output, req.window.language)
+                    recorded.append(slot)
                 except BaseException as exc:  # a job's own error ends that request only
                     errors[slot] = exc
-        self._align([s for s in range(len(self.running)) if done[s] and s not in errors], errors)
+        self._align(recorded, errors)
         for slot in sorted(range(len(self.running)), reverse=True):
             req = self.running[slot]
             if done[slot] or req.future.abandoned:
