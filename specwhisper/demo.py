@@ -48,7 +48,8 @@ def vector_level() -> str:
         pass
     levels = [name for name, flag in (("avx2", "avx2"), ("avx512", "avx512f"), ("avx512-bf16", "avx512_bf16"),
                                       ("amx", "amx_tile")) if flag in flags]
-    held = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA") if os.environ.get(v)]
+    held = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "CT2_FORCE_CPU_ISA")
+            if os.environ.get(v)]
     return (f"{' + '.join(levels) or 'unknown'} (torch kernels: {torch.backends.cpu.get_cpu_capability()}"
             + (f"; held by {', '.join(held)}" if held else "") + ")")
 
@@ -91,7 +92,10 @@ def ctranslate2_run(name: str, mel: np.ndarray, tokenizer, threads: int, compute
         cmd = [sys.executable, "-m", "specwhisper.ct2_longform", str(ct2_dir(name)), str(path), str(threads),
                compute_type, json.dumps(tokenizer.sot_sequence("en", "transcribe")),
                str(tokenizer.timestamp_begin), str(tokenizer.eot)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        env = dict(os.environ)
+        if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+            env.setdefault("CT2_FORCE_CPU_ISA", "AVX2")  # hold CTranslate2's own kernels to AVX2 as well
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"CTranslate2 worker failed: {done.stderr.strip()[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -11,7 +11,8 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   after it (ATen's GELU; oneDNN's fused erf GELU measured slower: 81 vs 90 GFLOP per CPU-second
   for fc1 on one AVX2 thread);
 - q, k and v come from one fused product, q's 1/sqrt(head_dim) folded into its weights (exact:
-  a power of two for every Whisper model; a layer whose scale is not stays with the reference);
+  a power of two for every Whisper model, head_dim 64; an encoder whose scale is not takes the
+  reference forward);
 - attention is PyTorch's flash CPU kernel on head-major copies of q/k/v (≈ 8% faster than on
   strided views, the copy included), and its output ([T, H, Dh] in memory) feeds the out
   projection without a copy;
