@@ -203,14 +203,14 @@ class Runner:
             self.dn[s] = self.dcached[s] = 0
             self.draft_pending[s] = (spec, features, draft_mel) if spec.use_draft else None
 
-    def start_drafts(self, B: int) -> bool:
-        """Start the draft of every row among the first B whose draft is pending -> whether any
+    def start_drafts(self, B: int) -> int:
+        """Start the draft of every row among the first B whose draft is pending -> how many
         started."""
         pending = [s for s in range(B) if self.draft_pending[s] is not None]
         for s in pending:
             self.start_draft(s, *self.draft_pending[s])
             self.draft_pending[s] = None
-        return bool(pending)
+        return len(pending)
 
     @torch.inference_mode()
     def start_draft(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
