@@ -211,7 +211,8 @@ class DraftLength:
     every 16 speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
     probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
     after twice as many each time, but only where a draft that is always right would pay (so a
-    self draft, or one whose setup outweighs any saving, never drafts). The first iteration is a
+    self draft, or one whose setup outweighs any saving, never drafts), and only in windows
+    whose draft runs already (the engine never lets a probe pay a draft's own encoder). The first iteration is a
     plain step. The estimates live in the engine's drafter, so they carry over between calls.
     """
 
@@ -289,6 +290,10 @@ class DraftLength:
         if self.fixed is None and tokens > 0:
             self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens
 
+    def probing(self) -> bool:
+        """Whether the next iteration is a k = 1 probe while speculation is off."""
+        return self.fixed is None and self.k == 1 and self.until_probe <= 0
+
     def pays(self) -> bool:
         if self.best()[1] <= self.MARGIN:
             return False
@@ -315,7 +320,7 @@ class DraftLength:
             else:
                 self.k = 0  # not even a draft that is always right would pay: no probes
             return
-        probing = self.k == 1 and self.until_probe <= 0
+        probing = self.probing()
         self.spec = self._track(self.spec, tokens, seconds)
         self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)

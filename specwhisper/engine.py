@@ -344,7 +344,10 @@ class Engine:
         if adaptive and not rule.calibrated and self.device.type == "cpu":
             rule.calibrate(**self.drafter.measure_costs(self.device, self.dtype))
         if adaptive:
-            k = max(k, rule.k)
+            # a probe measures acceptance where a draft runs already: it never pays a draft's
+            # own encoder (a probe starting a window's draft would cost that window its setup)
+            probe_needs_setup = rule.probing() and not self.drafter.shared_encoder and self.runner.drafts_pending(B)
+            k = max(k, 0 if probe_needs_setup else rule.k)
         room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
         return max(0, min(k, MAX_K, room)), rule
 

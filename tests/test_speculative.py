@@ -213,6 +213,34 @@ def test_draft_starts_only_when_speculation_runs(target, drafts, mels, reference
     assert on.stats.drafted > 0 and on.stats.accepted == on.stats.drafted
 
 
+def test_adaptive_k_never_drafts_with_a_self_draft(target, drafts, mels, reference):
+    """The pass costs are measured before the first decision: a self draft (a step no cheaper
+    than the target's, a verify pass no cheaper than a step) never drafts, not in the first window
+    either, and never probes."""
+    engine = Engine(target, drafts["self"], background=False)
+    for mel, tokens in zip(mels[:2], reference[:2]):
+        out = engine.transcribe(mel, language="en", max_new_tokens=MAX_NEW)
+        assert out.tokens == tokens and out.stats.drafted == 0 and out.stats.draft_passes == 0
+    rule = engine.drafter.length
+    assert rule.calibrated and rule.cost_ratio >= 1.0 and rule.best(always_right=True)[1] <= 1.0
+
+
+def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels, reference):
+    """While speculation is off, a k = 1 probe runs only where a row's draft runs already: it
+    never pays a window's draft encoder; speculation that is on does start it."""
+    engine = Engine(target, drafts["wrong"], background=False)
+    assert not engine.drafter.shared_encoder
+    rule = engine.drafter.length
+    rule.calibrated, rule.update = True, lambda *a, **kw: None  # decisions held where set below
+    rule.k, rule.until_probe = 1, 0  # a probe
+    assert rule.probing()
+    out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+    assert out.tokens == reference[0] and out.stats.draft_passes == 0
+    rule.k, rule.until_probe = 2, 16  # speculation on
+    out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+    assert out.tokens == reference[0] and out.stats.draft_passes > 0
+
+
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
