@@ -211,8 +211,9 @@ class DraftLength:
     every 16 speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
     probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
     after twice as many each time, but only where a draft that is always right would pay (so a
-    self draft, or one whose setup outweighs any saving, never drafts), and only in windows
-    whose draft runs already (the engine never lets a probe pay a draft's own encoder). The first iteration is a
+    self draft, or one whose setup outweighs any saving, never drafts), and, when a draft's own
+    encoder costs more than REFRESH plain passes, only in windows whose draft runs already (the
+    engine does not let a probe pay that encoder). The first iteration is a
     plain step. The estimates live in the engine's drafter, so they carry over between calls.
     """
 
@@ -293,6 +294,10 @@ class DraftLength:
     def probing(self) -> bool:
         """Whether the next iteration is a k = 1 probe while speculation is off."""
         return self.fixed is None and self.k == 1 and self.until_probe <= 0
+
+    def setup_is_cheap(self) -> bool:
+        """Whether a draft's setup costs at most REFRESH plain passes (a probe may pay it)."""
+        return not self.setup or not self.plain_pass or self.setup <= self.REFRESH * self.plain_pass
 
     def pays(self) -> bool:
         if self.best()[1] <= self.MARGIN:

@@ -344,9 +344,11 @@ class Engine:
         if adaptive and not rule.calibrated and self.device.type == "cpu":
             rule.calibrate(**self.drafter.measure_costs(self.device, self.dtype))
         if adaptive:
-            # a probe measures acceptance where a draft runs already: it never pays a draft's
-            # own encoder (a probe starting a window's draft would cost that window its setup)
-            probe_needs_setup = rule.probing() and not self.drafter.shared_encoder and self.runner.drafts_pending(B)
+            # a probe measures acceptance where a draft runs already: it does not pay a draft's
+            # own encoder worth more than a probe interval of plain steps (tiny.en's float32
+            # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
+            probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
+                                 and self.runner.drafts_pending(B))
             k = max(k, 0 if probe_needs_setup else rule.k)
         room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
         return max(0, min(k, MAX_K, room)), rule

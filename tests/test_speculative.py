@@ -227,11 +227,13 @@ def test_adaptive_k_never_drafts_with_a_self_draft(target, drafts, mels, referen
 
 def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels, reference):
     """While speculation is off, a k = 1 probe runs only where a row's draft runs already: it
-    never pays a window's draft encoder; speculation that is on does start it."""
+    never pays a window's draft encoder when that costs more than 16 plain passes; speculation
+    that is on does start it."""
     engine = Engine(target, drafts["wrong"], background=False)
     assert not engine.drafter.shared_encoder
     rule = engine.drafter.length
     rule.calibrated, rule.update = True, lambda *a, **kw: None  # decisions held where set below
+    rule.setup, rule.plain_pass = 1.0, 0.01  # an encoder pass of 100 plain passes
     rule.k, rule.until_probe = 1, 0  # a probe
     assert rule.probing()
     out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
