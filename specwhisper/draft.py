@@ -204,7 +204,8 @@ class DraftLength:
       α = accepted / (accepted + rejections) as a prior): the rate depends on the position (base's
       distilled draft: p_1..p_4 ≈ 0.74, 0.72, 0.62, 0.48), one geometric rate overvalues long drafts;
     - a draft with its own encoder pays a setup per window (that encoder pass, `charge`), spread
-      over the running number of tokens per window: s = setup / (tokens per window · plain pass).
+      over the running number of tokens per window: s = setup / tokens per window, the setup
+      in plain passes too (timed beside one, so a busy spell does not shift the balance).
     The gain of k is 1 / ((k·c + v(k+1)) / E(k) + s); k in 1..8 maximizes it. Speculation runs
     while the best gain exceeds MARGIN and, once both are measured, the speculative iterations'
     emitted tokens per second (setup included) beat the plain steps' by MARGIN too. One plain step
@@ -228,7 +229,7 @@ class DraftLength:
         self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
         self.cost_ratio = 0.3  # c: draft step / plain pass (prior until `calibrate`)
         self.verify_ratio = [1.0] * (MAX_K + 2)  # v(r), index r = rows (prior: flat, as on a GPU)
-        self.setup = 0.0  # running seconds a row's draft takes to start in a window
+        self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
         self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
         self.calibrated = False
         self.plain_pass = None  # running seconds of one plain pass (k = 0)
@@ -248,14 +249,12 @@ class DraftLength:
         self.plain_pass = plain_seconds if self.plain_pass is None else self.plain_pass
         self.verify_ratio = list(verify_ratio)
         self.cost_ratio = cost_ratio
-        self.setup = max(self.setup, setup_seconds)
+        self.setup = max(self.setup, setup_seconds / plain_seconds)
         self.calibrated = True
 
     def setup_share(self) -> float:
         """s: a window's draft setup per emitted token, in plain passes."""
-        if not self.setup or not self.plain_pass:
-            return 0.0
-        return self.setup / (self.window_tokens * self.plain_pass)
+        return self.setup / self.window_tokens
 
     def best(self, always_right: bool = False) -> tuple[int, float]:
         """(k, gain) of the best k (`always_right`: were every proposal accepted)."""
@@ -282,8 +281,8 @@ class DraftLength:
 
     def charge(self, seconds: float, rows: int = 1) -> None:
         """A draft setup of `seconds` for `rows` windows (their drafts started)."""
-        if self.fixed is None:
-            per_row = seconds / max(rows, 1)
+        if self.fixed is None and self.plain_pass:
+            per_row = seconds / max(rows, 1) / self.plain_pass
             self.setup = per_row if not self.setup else self._follow(self.setup, per_row)
 
     def window_done(self, tokens: int) -> None:
@@ -297,14 +296,14 @@ class DraftLength:
 
     def setup_is_cheap(self) -> bool:
         """Whether a draft's setup costs at most REFRESH plain passes (a probe may pay it)."""
-        return not self.setup or not self.plain_pass or self.setup <= self.REFRESH * self.plain_pass
+        return self.setup <= self.REFRESH
 
     def pays(self) -> bool:
         if self.best()[1] <= self.MARGIN:
             return False
         if self.spec is None or self.plain is None:
             return True
-        spec_time = self.spec[1] / self.spec[0] + self.setup / self.window_tokens
+        spec_time = self.spec[1] / self.spec[0] + self.setup_share() * (self.plain_pass or 0.0)
         return self.plain[1] / self.plain[0] > self.MARGIN * spec_time
 
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):

@@ -233,7 +233,7 @@ def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels,
     assert not engine.drafter.shared_encoder
     rule = engine.drafter.length
     rule.calibrated, rule.update = True, lambda *a, **kw: None  # decisions held where set below
-    rule.setup, rule.plain_pass = 1.0, 0.01  # an encoder pass of 100 plain passes
+    rule.setup = 100.0  # an encoder pass of 100 plain passes
     rule.k, rule.until_probe = 1, 0  # a probe
     assert rule.probing()
     out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
@@ -282,7 +282,9 @@ def test_draft_length_rule():
     assert sum(drafting[-10:]) == 0, drafting  # accurate and cheap per token, but not worth its setup
 
     cheap = DraftLength(None)  # the same setup over windows of ~300 tokens pays
+    cheap.plain_pass = 1.0
     cheap.charge(40.0)
+    assert cheap.setup == 40.0
     for _ in range(30):
         cheap.window_done(300)
     assert cheap.best()[1] > cheap.MARGIN and all(k > 0 for k in [step(cheap, True, 0.05) for _ in range(5)][1:])
