@@ -11,6 +11,7 @@ encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/en
     python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
     python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
     python bench/cpu.py --distilled ~/drafts/base-2l --k 2 3 --draft-head-tokens 8192   # + a pruned draft head
+    python bench/cpu.py --vector-level 1                 # an AVX2-only CPU, measured on an AVX-512 one
 
 Decode time per token = (median whole call − the system's median encoder time) / tokens, so a
 draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls.
@@ -75,6 +76,8 @@ SENTENCES = [
 VOICES = ["slt", "rms", "awb", "kal16"]
 WINDOW_SECONDS, GAP_SECONDS, SR = 25.0, 0.3, 16000
 POSITION = 64  # decoding position of the step microbenchmarks
+AVX2_ENVIRONMENT = dict(SPECWHISPER_VECTOR_LEVEL="1", ATEN_CPU_CAPABILITY="avx2", DNNL_MAX_CPU_ISA="AVX2",
+                        MKL_ENABLE_INSTRUCTIONS="AVX2", SPECWHISPER_NO_BF16="1")
 
 
 def synthesize_windows(n: int, folder: Path) -> list[tuple[np.ndarray, str]]:
@@ -253,7 +256,13 @@ def main() -> None:
                    help="also run the distilled draft with its output head pruned to N tokens (draft_head_tokens)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--vector-level", type=int, choices=[1], default=None,
+                   help="1: measure an AVX2-only CPU on a wider one: the C++ ops held to AVX2, torch's kernels "
+                        "(ATen, oneDNN, MKL) to AVX2, no bfloat16 paths (the process restarts with that environment)")
     args = p.parse_args()
+    if args.vector_level is not None and os.environ.get("SPECWHISPER_VECTOR_LEVEL") != str(args.vector_level):
+        os.environ.update(AVX2_ENVIRONMENT)  # read when torch and the ops load: start again
+        os.execv(sys.executable, [sys.executable] + sys.argv)
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +275,7 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; torch kernels {torch.backends.cpu.get_cpu_capability()}", flush=True)
     result = dict(machine=cpu_model(), threads=args.threads,
                   torch=torch.__version__, decode_ops=cpu_ops.available(),
+                  held_to=os.environ.get("SPECWHISPER_VECTOR_LEVEL") and "AVX2 (--vector-level 1)",
                   window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)
 
     engine = Engine(base)
@@ -371,7 +381,8 @@ def markdown(r: dict) -> str:
     ct2 = next(x for x in r["runs"] if x["name"].startswith("CTranslate2"))
     lines = [f"# CPU decode, whisper-base, {r['threads']} threads, {len(r['window_seconds'])} windows "
              f"of {statistics.mean(r['window_seconds']):.1f} s ({r['machine']}, torch {r['torch']}, "
-             f"decode ops {'on' if r['decode_ops'] else 'off'})", "",
+             f"decode ops {'on' if r['decode_ops'] else 'off'}"
+             f"{', held to ' + r['held_to'] if r.get('held_to') else ''})", "",
              f"Bandwidth {r['bandwidth']['GBps']:.1f} GB/s (read {r['bandwidth']['read_GBps']:.1f}, copy "
              f"{r['bandwidth']['copy_GBps']:.1f}); bytes per token {r['bytes_per_token']['total'] / 1e6:.0f} MB "
              f"(blocks {r['bytes_per_token']['blocks'] / 1e6:.0f}, head {r['bytes_per_token']['head'] / 1e6:.0f}, "

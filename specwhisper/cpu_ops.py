@@ -17,6 +17,9 @@ Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory 
 output element by the same operations whatever the other rows (a row's hidden state does not
 depend on the batch or on T, bit for bit: what exact greedy speculation needs).
 
+$SPECWHISPER_VECTOR_LEVEL=0/1/2 holds the ops to scalar / AVX2 / AVX-512 code from their first
+use (`vector_level` does so inside a block).
+
 Dispatch: tensors on the CPU use the C++ ops when they are built and enabled; otherwise (other
 devices, $SPECWHISPER_NO_EXT=1, a failed build announced by one warning, or inside `reference()`)
 the references run. The build lives in ~/.cache/specwhisper/build (or $SPECWHISPER_BUILD_DIR).
@@ -171,7 +174,13 @@ def _ops():
                           "uses PyTorch ops on the CPU (set SPECWHISPER_NO_EXT=1 to skip the build)",
                           RuntimeWarning, stacklevel=3)
             return None
-    return torch.ops.specwhisper_decode
+    ops = torch.ops.specwhisper_decode
+    level = os.environ.get("SPECWHISPER_VECTOR_LEVEL", "")
+    if level:  # hold the ops to a lower vector level (measuring an AVX2-only CPU on a wider one)
+        if level not in ("0", "1", "2"):
+            raise ValueError(f"SPECWHISPER_VECTOR_LEVEL must be 0 (scalar), 1 (AVX2) or 2 (AVX-512), got {level!r}")
+        ops.set_vector_level(int(level))
+    return ops
 
 
 def _build() -> None:

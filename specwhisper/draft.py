@@ -3,9 +3,13 @@ the adaptive choice of k. The runner drives its steps (the glossary is in runner
 asks `DraftLength` for each iteration's k."""
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from .head import SubsetHead
+from .model import DecoderCache
 from .vocab import VocabMap
 
 MAX_K = 8  # largest k adaptive drafting chooses
@@ -108,6 +112,56 @@ class Drafter:
         """Draft greedy proposals [B, T] from hidden [B, T, d]."""
         return greedy_tokens(self.draft, self.head, hidden, banned)
 
+    @torch.inference_mode()
+    def measure_costs(self, device, dtype, position: int = 64, rounds: int = 3) -> dict:
+        """What an iteration costs here, timed on scratch one-row caches at `position` (the
+        arithmetic does not depend on the cached values): a plain target pass (seconds), target
+        passes over r = 1..MAX_K+1 rows (as ratios to it), a draft step (ratio) and, for a draft
+        with its own encoder, its encoder pass (seconds). The least of `rounds` interleaved
+        timings (other work on a shared machine only ever adds time). The `DraftLength.calibrate`
+        arguments."""
+        tdec, ddec = self.target.model.decoder, self.draft.model.decoder
+        compact = ddec.compact and dtype == torch.float32 and torch.device(device).type == "cpu"
+        tcache = DecoderCache.allocate(self.target.config, 1, device, dtype)
+        dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype, torch.bfloat16 if compact else None)
+        token = torch.full((1, 1), self.target.tokenizer.eot, device=device)
+
+        def target_pass(rows):
+            pos = torch.arange(position, position + rows, device=device)[None]
+            hidden = tdec.hidden(token.expand(1, rows), pos, tcache, kv_len=position + rows)
+            self.target.greedy(hidden, self.target.suppress)
+
+        def draft_step():
+            pos = torch.tensor([[position]], device=device)
+            self.greedy(ddec.hidden(token, pos, dcache, kv_len=position + 1), self.draft.suppress)
+
+        mel = torch.zeros(1, self.draft.config.num_mel_bins, 3000, device=device, dtype=dtype)
+        runs = {r: (lambda r=r: target_pass(r)) for r in range(1, MAX_K + 2)}
+        runs["draft"] = draft_step
+        times = {name: [] for name in runs}
+        for _ in range(rounds + 1):  # interleaved rounds; the first warms up
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        # each ratio from passes timed side by side (the median of its rounds): a busy spell of a
+        # shared machine slows neighbours alike; the plain pass itself: the least time
+        ratio = {name: statistics.median(t / p for t, p in zip(times[name][1:], times[1][1:])) for name in runs}
+        verify, widest = [1.0, 1.0], 1.0
+        for r in range(2, MAX_K + 2):  # more rows never cost less: a nondecreasing v(r) >= 1
+            widest = max(widest, ratio[r])
+            verify.append(widest)
+        cost_ratio = ratio["draft"]
+        dcfg, tcfg = self.draft.config, self.target.config
+        if not ddec.compact and dcfg.decoder_layers >= tcfg.decoder_layers and dcfg.d_model >= tcfg.d_model:
+            cost_ratio = max(cost_ratio, 1.0)  # a draft as large as the target (a self draft) is no cheaper
+        setup = 0.0
+        if not self.shared_encoder:
+            start = time.perf_counter()
+            ddec.fill_cross(dcache, self.draft.model.encoder(mel))
+            setup = time.perf_counter() - start
+        return dict(plain_seconds=min(times[1][1:]), verify_ratio=verify, cost_ratio=cost_ratio, setup_seconds=setup)
+
 
 def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
     """Greedy argmax [B, T] of a model's logits with `banned` ([V] or [B, T, V]) tokens excluded,
@@ -139,38 +193,46 @@ def shares_encoder(a, b) -> bool:
 class DraftLength:
     """How many tokens to draft next.
 
-    Fixed when the user gives `num_draft_tokens`. Otherwise adaptive, in two parts:
-    - *which k*: the acceptance of proposal j given the j - 1 before it were accepted, p_j, is
-      counted over recent iterations that reached j (exponentially weighted, with the pooled rate
-      α = accepted / (accepted + rejections) as a prior), the cost ratio c = (draft step time) / (plain
-      pass time) and the growth g of a verify pass per drafted token (pass(k) = pass(0)·(1 + g·k):
-      ≈ 0 on a GPU, where k + 1 rows cost what one does; ≈ 0.15–0.25 on a CPU, where each row
-      adds arithmetic) are measured, and k in 1..8 maximizes E[tokens per pass] / (k·c + 1 + g·k)
-      with E = 1 + Σ_{j≤k} p_1···p_j (the rate depends on the position: for base's distilled
-      draft p_1..p_4 ≈ 0.74, 0.72, 0.62, 0.48, so one geometric rate overvalues long drafts);
-    - *whether to draft at all*: the measured throughput (emitted tokens per second) of
-      speculative iterations, charged with the setup of a draft that runs its own encoder (an
-      encoder pass per window, paid when the window first drafts: windows decoded while
-      speculation is off never pay it), is compared with that of plain target steps. One plain step every 16
-      speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
-      probe keeps the speculative rate fresh, after 16 plain steps and then, while probes keep
-      losing, after twice as many each time (a probe may pay the draft's whole setup). The first
-      iteration is a plain step, so the model above (speculate when its best gain exceeds 1)
-      decides only the first speculative one.
-    The estimates live in the engine's drafter, so they carry over between calls.
+    Fixed when the user gives `num_draft_tokens`. Otherwise adaptive. In units of one plain pass
+    (a one-row target step), an iteration drafting k tokens costs k·c + v(k+1) and emits
+    E(k) = 1 + Σ_{j≤k} p_1···p_j tokens on average, where
+    - c = (draft step time) / (plain pass time), and v(r) = (target pass over r rows) / (plain
+      pass): both measured once on scratch caches before the first decision (`calibrate`: on a
+      CPU each verify row adds arithmetic, v(5) ≈ 1.3-1.7; the draft step of a small model costs
+      far more than its bytes suggest), then kept up to date from the timed iterations;
+    - p_j is the acceptance of proposal j given the j - 1 before it were accepted, counted over
+      recent iterations that reached j (exponentially weighted, with the pooled rate
+      α = accepted / (accepted + rejections) as a prior): the rate depends on the position (base's
+      distilled draft: p_1..p_4 ≈ 0.74, 0.72, 0.62, 0.48), one geometric rate overvalues long drafts;
+    - a draft with its own encoder pays a setup per window (that encoder pass, `charge`), spread
+      over the running number of tokens per window: s = setup / tokens per window, the setup
+      in plain passes too (timed beside one, so a busy spell does not shift the balance).
+    The gain of k is 1 / ((k·c + v(k+1)) / E(k) + s); k in 1..8 maximizes it. Speculation runs
+    while the best gain exceeds MARGIN and, once both are measured, the speculative iterations'
+    emitted tokens per second (setup included) beat the plain steps' by MARGIN too. One plain step
+    every 16 speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
+    probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
+    after twice as many each time, but only where a draft that is always right would pay (so a
+    self draft, or one whose setup outweighs any saving, never drafts), and, when a draft's own
+    encoder costs more than REFRESH plain passes, only in windows whose draft runs already (the
+    engine does not let a probe pay that encoder). The first iteration is a
+    plain step. The estimates live in the engine's drafter, so they carry over between calls.
     """
 
     REFRESH = 16  # iterations between plain-step refreshes / speculative probes
     DECAY = 0.9  # weight of the past in every running estimate (but the next)
     RUN_DECAY = 0.97  # ... in the per-position acceptance counts (sparser: slower to forget)
     PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
-    MARGIN = 1.05  # speculation must measure this much faster than plain steps
+    MARGIN = 1.05  # speculation must promise, and measure, this much faster than plain steps
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
         self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
-        self.cost_ratio = 0.3  # prior draft-step / plain-pass time
-        self.growth = 0.0  # prior growth of a verify pass per drafted token (g)
+        self.cost_ratio = 0.3  # c: draft step / plain pass (prior until `calibrate`)
+        self.verify_ratio = [1.0] * (MAX_K + 2)  # v(r), index r = rows (prior: flat, as on a GPU)
+        self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
+        self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
+        self.calibrated = False
         self.plain_pass = None  # running seconds of one plain pass (k = 0)
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
@@ -182,16 +244,29 @@ class DraftLength:
         self.reach = [0.0] * (MAX_K + 1)  # running count of proposals j reached (the j - 1 before accepted)
         self.hit = [0.0] * (MAX_K + 1)  # ... and of those accepted
 
-    def best(self) -> tuple[int, float]:
+    def calibrate(self, plain_seconds: float, verify_ratio: list[float], cost_ratio: float,
+                  setup_seconds: float) -> None:
+        """Start from measured pass costs (`Drafter.measure_costs`) instead of the priors."""
+        self.plain_pass = plain_seconds if self.plain_pass is None else self.plain_pass
+        self.verify_ratio = list(verify_ratio)
+        self.cost_ratio = cost_ratio
+        self.setup = max(self.setup, setup_seconds / plain_seconds)
+        self.calibrated = True
+
+    def setup_share(self) -> float:
+        """s: a window's draft setup per emitted token, in plain passes."""
+        return self.setup / self.window_tokens
+
+    def best(self, always_right: bool = False) -> tuple[int, float]:
+        """(k, gain) of the best k (`always_right`: were every proposal accepted)."""
         alpha = min(self.accepted / self.trials, 0.999)
-        expected, survive, gains = 1.0, 1.0, []
+        expected, survive, gains, s = 1.0, 1.0, [], self.setup_share()
         for k in range(1, MAX_K + 1):
-            # P(proposal k accepted | the k - 1 before it were), measured where iterations reached
-            # k, the pooled rate as a prior (the rate depends on the position: one geometric rate
-            # misjudges long drafts)
-            survive *= (self.hit[k] + self.PRIOR * alpha) / (self.reach[k] + self.PRIOR)
+            if not always_right:
+                survive *= (self.hit[k] + self.PRIOR * alpha) / (self.reach[k] + self.PRIOR)
             expected += survive
-            gains.append((expected / (k * (self.cost_ratio + self.growth) + 1), k))
+            cost = k * self.cost_ratio + self.verify_ratio[k + 1]
+            gains.append((1.0 / (cost / expected + s), k))
         gain, k = max(gains)
         return k, gain
 
@@ -199,17 +274,38 @@ class DraftLength:
         t, s = current if current is not None else (0.0, 0.0)
         return self.DECAY * t + tokens, self.DECAY * s + seconds
 
-    def charge(self, seconds: float) -> None:
-        """Add the draft's per-utterance setup time to the speculative side."""
-        if self.fixed is None and self.spec is not None:
-            self.spec = (self.spec[0], self.spec[1] + seconds)
+    def _follow(self, estimate: float, sample: float) -> float:
+        """A running estimate moved toward `sample`, clipped to within 2x of the estimate (a busy
+        moment of a shared machine must not switch speculation at once)."""
+        sample = min(max(sample, estimate / 2), estimate * 2)
+        return self.DECAY * estimate + (1 - self.DECAY) * sample
+
+    def charge(self, seconds: float, rows: int = 1) -> None:
+        """A draft setup of `seconds` for `rows` windows (their drafts started)."""
+        if self.fixed is None and self.plain_pass:
+            per_row = seconds / max(rows, 1) / self.plain_pass
+            self.setup = per_row if not self.setup else self._follow(self.setup, per_row)
+
+    def window_done(self, tokens: int) -> None:
+        """A window finished with `tokens` generated tokens (spreads the setup)."""
+        if self.fixed is None and tokens > 0:
+            self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens
+
+    def probing(self) -> bool:
+        """Whether the next iteration is a k = 1 probe while speculation is off."""
+        return self.fixed is None and self.k == 1 and self.until_probe <= 0
+
+    def setup_is_cheap(self) -> bool:
+        """Whether a draft's setup costs at most REFRESH plain passes (a probe may pay it)."""
+        return self.setup <= self.REFRESH
 
     def pays(self) -> bool:
+        if self.best()[1] <= self.MARGIN:
+            return False
         if self.spec is None or self.plain is None:
-            return self.best()[1] > 1.0
-        # a margin: the rates count draft and verify time only, not a drafting iteration's
-        # bookkeeping, so a draft that merely ties plain steps (a self draft on a CPU) stays off
-        return self.spec[0] / self.spec[1] > self.MARGIN * self.plain[0] / self.plain[1]
+            return True
+        spec_time = self.spec[1] / self.spec[0] + self.setup_share() * (self.plain_pass or 0.0)
+        return self.plain[1] / self.plain[0] > self.MARGIN * spec_time
 
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
         if self.fixed is not None:
@@ -220,14 +316,16 @@ class DraftLength:
             self.plain = self._track(self.plain, tokens, seconds)
             if verify_seconds > 0:
                 self.plain_pass = verify_seconds if self.plain_pass is None else \
-                    self.DECAY * self.plain_pass + (1 - self.DECAY) * verify_seconds
+                    self._follow(self.plain_pass, verify_seconds)
             if self.pays():
                 self.k = self.best()[0]
-            else:
+            elif self.best(always_right=True)[1] > self.MARGIN:
                 self.until_probe -= 1
                 self.k = 1 if self.until_probe <= 0 else 0
+            else:
+                self.k = 0  # not even a draft that is always right would pay: no probes
             return
-        probing = self.k == 1 and self.until_probe <= 0
+        probing = self.probing()
         self.spec = self._track(self.spec, tokens, seconds)
         self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)
@@ -240,12 +338,9 @@ class DraftLength:
             for j in range(1, min(a + 1, k) + 1):
                 self.reach[j] += 1 / len(rows)
                 self.hit[j] += (a >= j) / len(rows)
-        if verify_seconds > 0:
-            if self.plain_pass is not None:
-                g = max(0.0, (verify_seconds / self.plain_pass - 1) / k)
-                self.growth = self.DECAY * self.growth + (1 - self.DECAY) * g
-            plain_pass = verify_seconds / (1 + self.growth * k)
-            self.cost_ratio = self.DECAY * self.cost_ratio + (1 - self.DECAY) * (draft_seconds / k) / plain_pass
+        if verify_seconds > 0 and self.plain_pass:
+            self.verify_ratio[k + 1] = self._follow(self.verify_ratio[k + 1], verify_seconds / self.plain_pass)
+            self.cost_ratio = self._follow(self.cost_ratio, draft_seconds / k / self.plain_pass)
         refresh = self.spec_iters % self.REFRESH == 0
         if self.pays():
             self.probe_every = self.until_probe = self.REFRESH

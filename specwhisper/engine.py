@@ -333,12 +333,13 @@ class Engine:
         proposals = None
         if k > 0:
             t0 = time.perf_counter()
-            if runner.start_drafts(B) and rule is not None and not self.drafter.shared_encoder:
+            started = runner.start_drafts(B)
+            if started and rule is not None and not self.drafter.shared_encoder:
                 # a draft's own encoder pass counts against speculation (a shared-encoder draft's
                 # setup, its cross K/V and prompt, is small next to what it saves in a window)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                rule.charge(time.perf_counter() - t0)
+                rule.charge(time.perf_counter() - t0, started)
         clock = StepClock(self.device)
         if k > 0:
             proposals = runner.draft(B, k, modes)
@@ -350,8 +351,10 @@ class Engine:
         self.iterations += 1
         if rule is not None:
             draft_seconds, verify_seconds = clock.intervals()
-            rule.update(k, progress[2].tolist(), progress[0].tolist(), draft_seconds=draft_seconds,
-                        verify_seconds=verify_seconds)
+            done = progress[0].tolist()
+            rule.update(k, progress[2].tolist(), done, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
+            for s in (s for s in range(B) if done[s] and runner.host_options[s].use_draft):
+                rule.window_done(int(progress[1, s]) - len(runner.host_options[s].prompt))
         with self._cond:
             self.scheduler.postprocess(progress)
 
@@ -366,8 +369,15 @@ class Engine:
         adaptive = any(sp.num_draft_tokens is None for sp in specs)
         k = max((sp.num_draft_tokens or 0) for sp in specs)
         rule = self.drafter.length if adaptive else None
+        if adaptive and not rule.calibrated and self.device.type == "cpu":
+            rule.calibrate(**self.drafter.measure_costs(self.device, self.dtype))
         if adaptive:
-            k = max(k, rule.k)
+            # a probe measures acceptance where a draft runs already: it does not pay a draft's
+            # own encoder worth more than a probe interval of plain steps (tiny.en's float32
+            # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
+            probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
+                                 and self.runner.drafts_pending(B))
+            k = max(k, 0 if probe_needs_setup else rule.k)
         room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
         return max(0, min(k, MAX_K, room)), rule
 

@@ -204,14 +204,18 @@ class Runner:
             self.dn[s] = self.dcached[s] = 0
             self.draft_pending[s] = (spec, features, draft_mel) if spec.use_draft else None
 
-    def start_drafts(self, B: int) -> bool:
-        """Start the draft of every row among the first B whose draft is pending -> whether any
+    def drafts_pending(self, B: int) -> bool:
+        """Whether a row among the first B has a draft still to start."""
+        return any(self.draft_pending[s] is not None for s in range(B))
+
+    def start_drafts(self, B: int) -> int:
+        """Start the draft of every row among the first B whose draft is pending -> how many
         started."""
         pending = [s for s in range(B) if self.draft_pending[s] is not None]
         for s in pending:
             self.start_draft(s, *self.draft_pending[s])
             self.draft_pending[s] = None
-        return bool(pending)
+        return len(pending)
 
     @torch.inference_mode()
     def start_draft(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
@@ -248,19 +252,23 @@ class Runner:
                 any(sp.timestamps for sp in specs))
 
     def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
-               modes: tuple[bool, bool, bool], proposals: torch.Tensor | None = None) -> torch.Tensor:
+               modes: tuple[bool, bool, bool], proposals: torch.Tensor | None = None,
+               first: bool = False) -> torch.Tensor:
         """The target's choices [B, T] from hidden [B, T, d] of rows `slots` [B]; position t of row
         b predicts the token at index `index[b] + 1 + t` (`index` is the pending token's index).
 
         A row's choice depends only on its own options, never on its batch neighbours: plain
         greedy rows use the exact screened head; the others the full logits under Whisper's
         rules, then the seeded race (temperature 0: the argmax). Leaves the log-probabilities of
-        full rows in `self.last_logprobs` [B, T, V] (None when no row is full)."""
+        full rows in `self.last_logprobs` [B, T, V] (None when no row is full). `first`: the pass
+        may predict a row's first generated token (admission); a verify pass never does (each
+        row's first token is chosen at admission), so its banned tokens are the same [V] at every
+        position (no [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on tiny data)."""
         any_plain, any_full = modes[:2]
         B, T, _ = hidden.shape
         predicted = index[:, None] + 1 + torch.arange(T, device=self.device)  # [B, T]
         at_begin = predicted == self.prompt_len[slots][:, None]
-        banned = self.suppress | (at_begin[..., None] & self.begin_suppress)  # [B, T, V]
+        banned = self.suppress | (at_begin[..., None] & self.begin_suppress) if first else self.suppress
         self.last_logprobs = None
         choice = greedy_tokens(self.target, self.target.head, hidden, banned) if any_plain else None
         if any_full:

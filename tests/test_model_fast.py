@@ -90,6 +90,22 @@ def test_every_vector_level_gives_the_same_bits(wdtype):
             assert torch.equal(a, b)
 
 
+def test_vector_level_from_the_environment():
+    """SPECWHISPER_VECTOR_LEVEL holds the ops to a level from their first use (bench/cpu.py
+    --vector-level 1 measures an AVX2-only CPU that way); a value outside 0..2 is refused."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("from specwhisper import cpu_ops\n"
+             "try:\n    ops = cpu_ops._ops()\nexcept ValueError as exc:\n    print('refused', exc)\n"
+             "else:\n    print('level', ops.set_vector_level(2))")
+    for value, expected in (("0", "level 0"), ("1", "level 1"), ("avx2", "refused")):
+        env = dict(os.environ, SPECWHISPER_VECTOR_LEVEL=value)
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.startswith(expected), (value, out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
 def test_int8_linear_matches_reference_at_every_vector_level(M):
     """An int8 draft's projections (`linear_q8`): the dequantized product within float32

@@ -213,6 +213,36 @@ def test_draft_starts_only_when_speculation_runs(target, drafts, mels, reference
     assert on.stats.drafted > 0 and on.stats.accepted == on.stats.drafted
 
 
+def test_adaptive_k_never_drafts_with_a_self_draft(target, drafts, mels, reference):
+    """The pass costs are measured before the first decision: a self draft (a step no cheaper
+    than the target's, a verify pass no cheaper than a step) never drafts, not in the first window
+    either, and never probes."""
+    engine = Engine(target, drafts["self"], background=False)
+    for mel, tokens in zip(mels[:2], reference[:2]):
+        out = engine.transcribe(mel, language="en", max_new_tokens=MAX_NEW)
+        assert out.tokens == tokens and out.stats.drafted == 0 and out.stats.draft_passes == 0
+    rule = engine.drafter.length
+    assert rule.calibrated and rule.cost_ratio >= 1.0 and rule.best(always_right=True)[1] <= 1.0
+
+
+def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels, reference):
+    """While speculation is off, a k = 1 probe runs only where a row's draft runs already: it
+    never pays a window's draft encoder when that costs more than 16 plain passes; speculation
+    that is on does start it."""
+    engine = Engine(target, drafts["wrong"], background=False)
+    assert not engine.drafter.shared_encoder
+    rule = engine.drafter.length
+    rule.calibrated, rule.update = True, lambda *a, **kw: None  # decisions held where set below
+    rule.setup = 100.0  # an encoder pass of 100 plain passes
+    rule.k, rule.until_probe = 1, 0  # a probe
+    assert rule.probing()
+    out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+    assert out.tokens == reference[0] and out.stats.draft_passes == 0
+    rule.k, rule.until_probe = 2, 16  # speculation on
+    out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
+    assert out.tokens == reference[0] and out.stats.draft_passes > 0
+
+
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
@@ -243,13 +273,35 @@ def test_draft_length_rule():
 
     rule = DraftLength(None)
     drafting = []
-    for _ in range(30):  # calls of 4 iterations; a call that drafts pays a 40-pass draft setup
+    for _ in range(30):  # windows of 4 iterations; a window that drafts pays a 40-pass draft setup
         if rule.k > 0:
             rule.charge(40.0)
-        drafting.append(sum(step(rule, True, 0.05) > 0 for _ in range(4)))
-    assert sum(drafting[-10:]) <= 3, drafting  # accurate and cheap per token, but not worth its setup
+        ks = [step(rule, True, 0.05) for _ in range(4)]
+        rule.window_done(sum(k + 1 for k in ks))
+        drafting.append(sum(k > 0 for k in ks))
+    assert sum(drafting[-10:]) == 0, drafting  # accurate and cheap per token, but not worth its setup
+
+    cheap = DraftLength(None)  # the same setup over windows of ~300 tokens pays
+    cheap.plain_pass = 1.0
+    cheap.charge(40.0)
+    assert cheap.setup == 40.0
+    for _ in range(30):
+        cheap.window_done(300)
+    assert cheap.best()[1] > cheap.MARGIN and all(k > 0 for k in [step(cheap, True, 0.05) for _ in range(5)][1:])
+
+    # calibrated costs decide before any drafting: a self draft (c = 1) never drafts, not even a probe
+    verify = [1.0] + [1.0 + 0.2 * (r - 1) for r in range(1, 10)]  # a CPU: each row adds 20%
+    same = DraftLength(None)
+    same.calibrate(plain_seconds=1.0, verify_ratio=verify, cost_ratio=1.0, setup_seconds=0.0)
+    assert sum(step(same, True, 1.0) for _ in range(200)) == 0
+    small = DraftLength(None)  # a draft at 0.45 of a pass, as tiny.en on an AVX2 CPU: pays alone...
+    small.calibrate(plain_seconds=1.0, verify_ratio=verify, cost_ratio=0.45, setup_seconds=0.0)
+    assert small.best()[1] > small.MARGIN
+    small.calibrate(plain_seconds=1.0, verify_ratio=verify, cost_ratio=0.45, setup_seconds=30.0)
+    assert sum(step(small, True, 0.45) for _ in range(200)) == 0  # ... but not with its encoder per window
 
     rule = DraftLength(None)  # a CPU-like verify pass: each drafted token adds 25% of a plain pass
+    rule.verify_ratio = [1.0 + 0.25 * (r - 1) for r in range(10)]  # as calibrated
     flat = DraftLength(None)
     for r in (rule, flat):
         r.plain_pass = 1.0
@@ -257,7 +309,7 @@ def test_draft_length_rule():
         accepted = [4, 3, 4, 2, 4, 4, 1, 4][i % 8]
         rule.update(4, [accepted], [False], draft_seconds=4 * 0.1, verify_seconds=2.0)
         flat.update(4, [accepted], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
-    assert abs(rule.growth - 0.25) < 0.01 and flat.growth == 0.0
+    assert abs(rule.verify_ratio[5] - 2.0) < 0.01 and flat.verify_ratio[5] == 1.0
     assert abs(rule.cost_ratio - 0.1) < 0.01 and abs(flat.cost_ratio - 0.1) < 0.01  # per plain pass
     assert rule.best()[0] < flat.best()[0]  # the growing pass asks for fewer drafted tokens
 
