@@ -24,6 +24,7 @@ from . import cpu_ops
 from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from .decoding import LoadedModel
 from .draft import DraftLength, Drafter
+from .graphs import StepGraphs
 from .jobs import LongformRequest, ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .runner import MAX_K, Runner
@@ -42,7 +43,7 @@ class Engine:
 
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
                  draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
-                 compact_draft: bool | None = None):
+                 compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race"):
         """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
@@ -56,13 +57,22 @@ class Engine:
         True: a caller of `transcribe` decodes in its own thread when no other thread is decoding,
         and a loop thread serves `submit` and whatever callers leave; False: no thread is ever
         started (the calling thread of `transcribe` runs the iterations, `step()` runs one; for
-        single-threaded hosts and deterministic tests)."""
+        single-threaded hosts and deterministic tests); `cuda_graphs`: run each iteration's
+        draft and verify steps on the graph-shaped path (rows padded to a power-of-two bucket,
+        fixed shapes), captured as CUDA graphs per (bucket, k) on a GPU; True on a CPU runs that
+        same path eagerly (for tests); None: on for CUDA, off elsewhere; `sampling`: how a
+        sampled row accepts proposals: "race" keeps a proposal equal to the target's own seeded
+        race winner (a seed gives the same tokens whatever k, batch or draft), "rejection" runs
+        Leviathan et al.'s acceptance test and residual resampling (rejection.py: accepts a little
+        more; tokens then depend on the draft); both sample exactly the target's distribution."""
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if sampling not in ("race", "rejection"):
+            raise ValueError(f"sampling must be 'race' or 'rejection', got {sampling!r}")
         if not (isinstance(max_batch, int) and 1 <= max_batch <= 256):
             raise ValueError(f"max_batch must be an int in 1..256, got {max_batch!r}")
         self.dtype = dtype
@@ -79,7 +89,13 @@ class Engine:
             self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
             if compact_draft and not self.drafter.shared_encoder and cpu_ops.native_bf16():
                 draft_model.model.compact_encoder()  # its own encoder pass: the largest part of its cost
-        self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be None or a bool, got {cuda_graphs!r}")
+        # off a GPU the same steps run eagerly, rehearsing a capture's warm-up (and its rewind)
+        graphs = StepGraphs(True, self.device, rehearse=self.device.type != "cuda") if cuda_graphs else None
+        self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype, graphs, sampling)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -302,7 +318,6 @@ class Engine:
             runner.progress(B)  # refresh the host's view of lengths after prefills
         modes = runner.modes(B)
         k, rule = self._choose_k(B)
-        proposals = None
         if k > 0:
             t0 = time.perf_counter()
             if runner.start_drafts(B) and rule is not None and not self.drafter.shared_encoder:
@@ -313,9 +328,9 @@ class Engine:
                 rule.charge(time.perf_counter() - t0)
         clock = StepClock(self.device)
         if k > 0:
-            proposals = runner.draft(B, k, modes)
+            runner.draft(B, k, modes)
         clock.mark()
-        runner.verify_accept_commit(B, k, proposals, modes)
+        runner.verify_accept_commit(B, k, modes)
         clock.mark()
         progress = runner.progress(B)  # the one host read of the iteration
         self.host_syncs += 1

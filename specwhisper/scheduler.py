@@ -89,11 +89,8 @@ class Scheduler:
         if not joining:
             return []
         fresh = [r for r in joining if r.window.features is None]
-        for r in fresh:
-            # one window at a time: a batched encoder GEMM may round a row differently with other
-            # rows beside it, and a request's tokens must not depend on its neighbours (on this
-            # CPU, batching the encoder gains nothing: it is compute-bound)
-            f = self.runner.encode(r.window.mel[None])[0]
+        # a window's features never depend on the windows encoded beside it (`encode_windows`)
+        for r, f in zip(fresh, self.runner.encode_windows([r.window.mel for r in fresh])):
             r.window.features = f
             if hasattr(r.job, "keep_features"):  # fallback retries reuse the encoder output
                 r.job.keep_features(f)
