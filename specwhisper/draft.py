@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .constants import MAX_ADAPTIVE_K as MAX_K
 from .head import SubsetHead
 from .vocab import VocabMap
-
-MAX_K = 8  # largest k adaptive drafting chooses
 
 
 class Drafter:

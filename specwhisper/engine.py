@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import random
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -23,15 +22,14 @@ import torch
 from . import cpu_ops
 from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from .decoding import LoadedModel
-from .draft import DraftLength, Drafter
+from .constants import FRAMES_PER_SECOND, N_FRAMES
+from .draft import Drafter
 from .graphs import StepGraphs
 from .jobs import LongformRequest, ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
-from .runner import MAX_K, Runner
+from .runner import Runner
 from .scheduler import Request, RequestFuture, Scheduler
-
-N_FRAMES = 3000
-FRAMES_PER_SECOND = 100  # mel frames per second of audio
+from .speculation import Speculation
 
 
 class Engine:
@@ -97,6 +95,7 @@ class Engine:
         graphs = StepGraphs(True, self.device, rehearse=self.device.type != "cuda") if cuda_graphs else None
         self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype, graphs, sampling)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
+        self.speculation = Speculation(self.runner, self.drafter, self.device)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False  # set at interpreter exit: the loop thread returns (see _stop_loops)
@@ -306,57 +305,27 @@ class Engine:
                     self.scheduler.fail_all(exc)
 
     def step(self) -> None:
-        """One iteration: admit, draft, verify, accept, commit, let finished windows leave."""
+        """One iteration: admit, draft, verify-accept-commit, let finished windows leave."""
         with self._cond:
             admitted = self.scheduler.schedule()
         B = len(self.scheduler.running)
         if B == 0:
             return
         self.peak_batch = max(self.peak_batch, B)
-        runner = self.runner
         if admitted:
-            runner.progress(B)  # refresh the host's view of lengths after prefills
-        modes = runner.modes(B)
-        k, rule = self._choose_k(B)
+            self.runner.progress(B)  # the host's view of lengths after prefills
+        modes = self.runner.modes(B)
+        k = self.speculation.begin(B)
         if k > 0:
-            t0 = time.perf_counter()
-            if runner.start_drafts(B) and rule is not None and not self.drafter.shared_encoder:
-                # a draft's own encoder pass counts against speculation (a shared-encoder draft's
-                # setup, its cross K/V and prompt, is small next to what it saves in a window)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                rule.charge(time.perf_counter() - t0)
-        clock = StepClock(self.device)
-        if k > 0:
-            runner.draft(B, k, modes)
-        clock.mark()
-        runner.verify_accept_commit(B, k, modes)
-        clock.mark()
-        progress = runner.progress(B)  # the one host read of the iteration
+            self.runner.draft(B, k, modes)
+        self.speculation.drafted()
+        self.runner.verify_accept_commit(B, k, modes)
+        progress = self.runner.progress(B)  # the one host read of the iteration
+        self.speculation.end(progress)
         self.host_syncs += 1
         self.iterations += 1
-        if rule is not None:
-            draft_seconds, verify_seconds = clock.intervals()
-            rule.update(k, progress[2].tolist(), progress[0].tolist(), draft_seconds=draft_seconds,
-                        verify_seconds=verify_seconds)
         with self._cond:
             self.scheduler.postprocess(progress)
-
-    def _choose_k(self, B: int) -> tuple[int, DraftLength | None]:
-        """The iteration's k: the largest a row asks for (rows with a smaller fixed k propose fewer);
-        adaptive rows follow the drafter's running estimate."""
-        if self.drafter is None:
-            return 0, None
-        specs = [r for r in self.runner.host_options[:B] if r is not None and r.use_draft]
-        if not specs:
-            return 0, None
-        adaptive = any(sp.num_draft_tokens is None for sp in specs)
-        k = max((sp.num_draft_tokens or 0) for sp in specs)
-        rule = self.drafter.length if adaptive else None
-        if adaptive:
-            k = max(k, rule.k)
-        room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
-        return max(0, min(k, MAX_K, room)), rule
 
     # ---------------------------------------------------------------- input checks
     def _as_mel(self, x, whole: bool = False) -> tuple[bool, torch.Tensor]:
@@ -424,31 +393,6 @@ def _stop_loops() -> None:
         thread = engine._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10.0)
-
-
-class StepClock:
-    """Times the draft and verify parts of an iteration: wall clock on CPU, CUDA events on GPU
-    (read after the iteration's one host sync, so timing adds none)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = [self._now()]
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def mark(self) -> None:
-        self.marks.append(self._now())
-
-    def intervals(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def same_decoder(a, b) -> bool:

@@ -34,16 +34,17 @@ rows and trim the attended width to the longest row (host mirrors of the lengths
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from . import ops, rules, sampling
+from .constants import MAX_DRAFT_TOKENS as MAX_K, NO_LIMIT, NO_PROPOSAL
 from .rejection import accept_by_rejection
 from .draft import Drafter, greedy_tokens
 from .graphs import StepGraphs
 from .model import DecoderCache
 
-MAX_K = 16  # the most draft tokens one verify pass checks
 
 
 @dataclass
@@ -58,7 +59,7 @@ class SeqSpec:
     top_p: float = 1.0
     seed: int = 0  # noise key of sampled rows (counter-based: tokens do not depend on k or batch)
     timestamps: bool = False  # apply the timestamp rules
-    max_initial_timestamp: int = -1  # last allowed initial timestamp index (-1: no limit)
+    max_initial_timestamp: int = NO_LIMIT  # last allowed initial timestamp index
     num_draft_tokens: int | None = None  # fixed k for this row; None: adaptive
     use_draft: bool = True  # False: the draft stands aside for this row
     sot_index: int = 0  # index of <|startoftranscript|> in `prompt` (no-speech probability)
@@ -68,6 +69,23 @@ class SeqSpec:
     def plain(self) -> bool:
         """Plain greedy: the exact (screened) greedy head, no full logits needed."""
         return self.temperature == 0 and not self.timestamps and not self.need_logprobs
+
+
+class Modes(NamedTuple):
+    """Which token-choosing paths an iteration needs (from the host's copy of the rows' options)."""
+
+    any_plain: bool  # a plain-greedy row: the screened head
+    any_full: bool  # a row that needs full logits (sampled, timestamps, log-probabilities)
+    any_timestamps: bool  # a row under the timestamp rules
+
+
+class Progress(NamedTuple):
+    """The host's one read per iteration, per live row."""
+
+    done: list[bool]
+    n_tokens: list[int]
+    accepted: list[int]  # accepted drafts this iteration (-1: none proposed)
+    draft_len: list[int]  # the draft's sequence length (n_tokens without a draft)
 
 
 @dataclass
@@ -273,7 +291,7 @@ class Runner:
         # the first token: the prompt's last position, as if it were a one-position verify pass
         slot = torch.tensor([s], device=self.device)
         first, logits = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1,
-                                    (spec.plain, not spec.plain, spec.timestamps))
+                                    Modes(spec.plain, not spec.plain, spec.timestamps))
         self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device), logits)
         if self.drafter is not None:
             # the draft starts at the row's first drafting iteration (`start_drafts`): while the
@@ -318,15 +336,14 @@ class Runner:
         self.draft_synced = False  # more than the catch-up width may be uncached
 
     # ---------------------------------------------------------------- choosing tokens
-    def modes(self, B: int) -> tuple[bool, bool, bool]:
-        """(any plain-greedy row, any full-logits row, any timestamp row) among the first B slots
-        (from the host's copy of the options: no device read)."""
+    def modes(self, B: int) -> Modes:
+        """The paths the first B slots need (from the host's copy of the options: no device read)."""
         specs = [sp for sp in self.host_options[:B] if sp is not None]
-        return (any(sp.plain for sp in specs), any(not sp.plain for sp in specs),
-                any(sp.timestamps for sp in specs))
+        return Modes(any(sp.plain for sp in specs), any(not sp.plain for sp in specs),
+                     any(sp.timestamps for sp in specs))
 
     def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
-               modes: tuple[bool, bool, bool], proposals: torch.Tensor | None = None):
+               modes: Modes, proposals: torch.Tensor | None = None):
         """The target's choices [B, T] from hidden [B, T, d] of rows `slots` [B]; position t of row
         b predicts the token at index `index[b] + 1 + t` (`index` is the pending token's index).
         Also returns the logits [B, T, V] under Whisper's rules that full rows chose from (None
@@ -335,18 +352,17 @@ class Runner:
         A row's choice depends only on its own options, never on its batch neighbours: plain
         greedy rows use the exact screened head; the others the full logits under Whisper's
         rules, then the seeded race (temperature 0: the argmax)."""
-        any_plain, any_full = modes[:2]
         B, T, _ = hidden.shape
         predicted = index[:, None] + 1 + torch.arange(T, device=self.device)  # [B, T]
         at_begin = predicted == self.prompt_len[slots][:, None]
         banned = self.suppress | (at_begin[..., None] & self.begin_suppress)  # [B, T, V]
         logits = None
-        choice = greedy_tokens(self.target, self.target.head, hidden, banned) if any_plain else None
-        if any_full:
+        choice = greedy_tokens(self.target, self.target.head, hidden, banned) if modes.any_plain else None
+        if modes.any_full:
             raw = self.target.model.decoder.logits(hidden).float()
             logits = raw.masked_fill(banned, -float("inf"))
             rows = slots[:, None].expand(B, T).reshape(-1)
-            if modes[2]:
+            if modes.any_timestamps:
                 ruled = self.timestamp_rules(raw, slots, predicted, at_begin, proposals)
                 logits = torch.where(self.timestamps[slots][:, None, None], ruled, logits)
             raced = sampling_race(logits.reshape(B * T, -1), self.temperature[rows], self.top_p[rows],
@@ -381,7 +397,7 @@ class Runner:
 
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
-    def draft(self, B: int, k: int, modes: tuple[bool, bool, bool]) -> None:
+    def draft(self, B: int, k: int, modes: Modes) -> None:
         """k proposals per row into `self.proposals[:B, :k]`, in target ids (-1: no usable proposal
         from there on)."""
         if not self.draft_synced:
@@ -395,7 +411,7 @@ class Runner:
         R = self.pad_rows(B)
         self.graphs.run(("draft", R, k, modes), lambda: self.draft_step(R, k, modes, self.catchup), self.rewind)
 
-    def draft_step(self, B: int, k: int, modes: tuple[bool, bool, bool], width: int) -> torch.Tensor:
+    def draft_step(self, B: int, k: int, modes: Modes, width: int) -> torch.Tensor:
         """`draft` over the first B slots, feeding `width` draft positions first (graph-safe when
         `self.trim` is off) -> the proposals [B, k]."""
         d = self.drafter
@@ -423,7 +439,7 @@ class Runner:
         limit = torch.where(self.row_k[:B] > 0, self.row_k[:B], k)
         usable &= j_range(k, self.device)[None] < limit[:, None]
         usable = usable.long().cumprod(dim=1).bool()
-        self.proposals[:B, :k] = torch.where(usable, mapped, -1)
+        self.proposals[:B, :k] = torch.where(usable, mapped, NO_PROPOSAL)
         return self.proposals[:B, :k]
 
     def uncached_positions(self, B: int, width: int) -> torch.Tensor:
@@ -453,11 +469,11 @@ class Runner:
         far (another vocabulary only suppresses: its proposals are verified all the same)."""
         d = self.drafter
         banned = d.draft.suppress
-        if not modes[1]:
+        if not modes.any_full:
             return d.greedy(hidden, banned)[:, 0]
         raw = d.draft.model.decoder.logits(hidden[:, 0]).float()
         logits = raw.masked_fill(banned, -float("inf"))
-        if modes[2] and d.vocab.identity:
+        if modes.any_timestamps and d.vocab.identity:
             predicted = (index + 1)[:, None]
             at_begin = predicted == self.prompt_len[slots][:, None]
             prefix = torch.stack(raws, dim=1) if raws else None
@@ -479,10 +495,10 @@ class Runner:
         self.draft_synced = True
 
     @torch.inference_mode()
-    def verify_accept_commit(self, B: int, k: int, modes: tuple[bool, bool, bool]) -> None:
+    def verify_accept_commit(self, B: int, k: int, modes: Modes) -> None:
         """One target pass over each row's pending token and its k proposals (`draft`), the
         accepted prefix and the correction or bonus token appended, the draft's state kept in step."""
-        shared = self.shared_sampling(B) if k > 0 and modes[1] and self.sampling_rule == "rejection" else None
+        shared = self.shared_sampling(B) if k > 0 and modes.any_full and self.sampling_rule == "rejection" else None
         if self.graphs is None:
             self.verify_step(B, k, modes, shared)
         else:
@@ -499,7 +515,7 @@ class Runner:
                   if sp is not None and sp.temperature > 0}
         return params.pop() if len(params) == 1 else None
 
-    def verify_step(self, B: int, k: int, modes: tuple[bool, bool, bool],
+    def verify_step(self, B: int, k: int, modes: Modes,
                     shared: tuple[float, float] | None = None) -> torch.Tensor:
         """`verify_accept_commit` over the first B slots -> the new lengths [B]. `shared`: see
         `shared_sampling` (rejection mode)."""
@@ -518,7 +534,7 @@ class Runner:
             n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
         else:
             n_acc = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
-            if self.sampling_rule == "rejection" and modes[1]:
+            if self.sampling_rule == "rejection" and modes.any_full:
                 d2t = None if self.drafter.vocab.identity else self.d2t
                 emitted, accepted = accept_by_rejection(
                     logits, self.draft_logits[:B, :k], proposals, choice, d2t, self.temperature[:B],
@@ -582,15 +598,15 @@ class Runner:
         self.dn[:B] = torch.where(self.done[:B] | ~self.draft_on[:B], dn, new_dn)
 
     # ---------------------------------------------------------------- host view
-    def progress(self, B: int) -> torch.Tensor:
-        """The one small tensor the host reads per iteration: [4, B] = done, n_tokens,
-        accepted drafts this iteration (-1: none proposed), draft length."""
+    def progress(self, B: int) -> Progress:
+        """The one small read the host makes per iteration (one [4, B] tensor)."""
         dn = self.dn[:B] if self.drafter is not None else self.n_tokens[:B]
-        progress = torch.stack([self.done[:B].long(), self.n_tokens[:B], self.accepted_now[:B], dn]).cpu()
+        done, n, accepted, draft_len = torch.stack([self.done[:B].long(), self.n_tokens[:B],
+                                                    self.accepted_now[:B], dn]).tolist()
         if B:
-            self._host_n_max, self._host_dn_max = int(progress[1].max()), int(progress[3].max())
-            self.host_n[:B] = progress[1].tolist()
-        return progress
+            self._host_n_max, self._host_dn_max = max(n), max(draft_len)
+            self.host_n[:B] = n
+        return Progress([bool(d) for d in done], n, accepted, draft_len)
 
     def output(self, s: int) -> SeqOutput:
         n, P = int(self.n_tokens[s]), int(self.prompt_len[s])

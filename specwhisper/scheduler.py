@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from .results import Stats, Transcription
-from .runner import SeqOutput, SeqSpec
+from .runner import Progress, SeqOutput, SeqSpec
 
 
 @dataclass
@@ -111,9 +111,9 @@ class Scheduler:
         return joining
 
     # ---------------------------------------------------------------- leaving
-    def postprocess(self, progress: torch.Tensor) -> None:
+    def postprocess(self, progress: Progress) -> None:
         """After an iteration: finished rows leave (results recorded, slots compacted)."""
-        done = progress[0].tolist()
+        done = progress.done
         for slot in sorted(range(len(self.running)), reverse=True):
             req = self.running[slot]
             if done[slot] or req.future.abandoned:
