@@ -83,11 +83,11 @@ def test_longform_padded(target, drafts):
     """Long-form windows (timestamp rules, temperature fallback, previous-text prompts) with a
     draft: the padded path gives the same segments."""
     torch.manual_seed(2)
-    audio = (0.3 * torch.randn(16000 * 40)).numpy()
-    kw = dict(language="en", temperature=(0.0, 0.5, 1.0), seed=3, num_draft_tokens=2)
+    audio = (0.3 * torch.randn(16000 * 34)).numpy()
+    kw = dict(language="en", temperature=(0.0, 1.0), seed=3, num_draft_tokens=2)
     a, b = (Engine(target, drafts["noisy"], background=False, cuda_graphs=g).transcribe(audio, **kw)
             for g in (False, True))
-    assert len(a.segments) > 1
+    assert len(a.segments) > 1 and any(s.temperature > 0 for s in a.segments)  # a retried window
     assert [(s.tokens, s.temperature, s.start, s.end, s.avg_logprob) for s in a.segments] == \
         [(s.tokens, s.temperature, s.start, s.end, s.avg_logprob) for s in b.segments]
 
