@@ -4,7 +4,9 @@
 #   1. pip install --no-deps --no-build-isolation -e .   (never resolves dependencies over its torch)
 #   2. random-weight checkpoints at the real shapes of large-v3, tiny, distil-large-v3
 #   3. python -m pytest -m cuda   (junit xml into OUT_DIR)
-#   4. python bench/gpu.py        (gpu.json, gpu.md, gpu.png into OUT_DIR)
+#   4. python bench/gpu.py        (gpu.json, gpu.md, gpu.png into OUT_DIR); its end-to-end section
+#      runs the engine as users get it on a GPU: draft and verify steps captured as CUDA graphs per
+#      (batch bucket, k), plus a target-only row with cuda_graphs=False (what the graphs buy)
 # and OUT_DIR/summary.md (stages, test counts, the benchmark tables). Every stage is time-boxed;
 # one failing stage does not stop the next. Exit status: 0 only if every stage passed.
 #

@@ -22,12 +22,8 @@ import soundfile
 import torch
 import torch.nn.functional as F
 
-SAMPLE_RATE = 16000
-N_FFT = 400
-HOP_LENGTH = 160
-CHUNK_SECONDS = 30
-N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples in the 30 s window
-N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames
+from .constants import CHUNK_SECONDS, HOP_LENGTH, N_FFT, N_FRAMES, N_SAMPLES, SAMPLE_RATE  # noqa: F401 (re-exported)
+
 SUPPORTED_N_MELS = (80, 128)  # 128 for large-v3 and its descendants, 80 for every other Whisper
 
 AudioSource = str | os.PathLike | bytes | BinaryIO

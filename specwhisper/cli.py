@@ -111,8 +111,6 @@ def cmd_convert(args) -> int:
 
 def cmd_serve(args) -> int:
     """The OpenAI-compatible HTTP server (needs the `server` extra: pip install -e ".[server]")."""
-    import inspect
-
     import torch
     import uvicorn
 
@@ -121,8 +119,6 @@ def cmd_serve(args) -> int:
 
     engine_options = {}
     if args.max_batch is not None:
-        if "max_batch" not in inspect.signature(Engine).parameters:
-            raise SystemExit("--max-batch is not supported by this engine yet")
         engine_options["max_batch"] = args.max_batch
     engine = Engine(model_folder(args.target), model_folder(args.draft) if args.draft else None,
                     device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,

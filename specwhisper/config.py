@@ -5,8 +5,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .constants import MAX_INITIAL_TIMESTAMP, N_AUDIO_CTX, N_TEXT_CTX as MAX_TARGET_POSITIONS
+
 VOCAB_SIZES = (51864, 51865, 51866)  # English-only, multilingual, large-v3
-MAX_TARGET_POSITIONS = 448
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -29,7 +30,7 @@ class WhisperConfig:
     decoder_ffn_dim: int  # decoder MLP width
     vocab_size: int  # 51864 (.en), 51865 (multilingual) or 51866 (v3)
     num_mel_bins: int  # 80, or 128 for large-v3
-    max_source_positions: int = 1500  # encoder frames after the stride-2 conv
+    max_source_positions: int = N_AUDIO_CTX  # encoder frames after the stride-2 conv
     max_target_positions: int = MAX_TARGET_POSITIONS  # decoder positions (prompt + generated)
 
     def __post_init__(self):
@@ -108,7 +109,7 @@ class TranscribeOptions:
     language: str | None = None  # language code; None: "en" (English-only) or detected on the first 30 s
     task: str = "transcribe"  # "transcribe" or "translate"
     top_p: float = 1.0  # nucleus mass kept when sampling (1.0: openai's plain sampling)
-    max_initial_timestamp: float | None = 1.0  # seconds: latest first timestamp of a window; None: no limit
+    max_initial_timestamp: float | None = MAX_INITIAL_TIMESTAMP  # seconds: latest first timestamp of a window; None: no limit
     timestamps: bool = True  # predict timestamp tokens (segments); False: one segment per window
     skip_silence: bool = True  # windows without signal (audio.is_silent) are skipped undecoded; False: openai's way
     word_timestamps: bool = False  # openai's word_timestamps: each segment gets its words (timing.py)

@@ -8,11 +8,10 @@ import time
 
 import torch
 
+from .constants import MAX_ADAPTIVE_K as MAX_K
 from .head import SubsetHead
 from .model import DecoderCache
 from .vocab import VocabMap
-
-MAX_K = 8  # largest k adaptive drafting chooses
 
 
 class Drafter:

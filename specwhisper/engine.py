@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import random
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -23,15 +22,15 @@ import torch
 from . import cpu_ops
 from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from .decoding import LoadedModel
-from .draft import DraftLength, Drafter
+from .constants import FRAMES_PER_SECOND, N_FRAMES
+from .draft import Drafter
+from .graphs import StepGraphs
 from .jobs import LongformRequest, ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
-from .runner import MAX_K, Runner
+from .runner import Runner
 from .scheduler import Request, RequestFuture, Scheduler
+from .speculation import Speculation
 from .timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
-
-N_FRAMES = 3000
-FRAMES_PER_SECOND = 100  # mel frames per second of audio
 
 
 class Engine:
@@ -43,7 +42,7 @@ class Engine:
 
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
                  draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
-                 compact_draft: bool | None = None):
+                 compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race"):
         """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
@@ -57,13 +56,22 @@ class Engine:
         True: a caller of `transcribe` decodes in its own thread when no other thread is decoding,
         and a loop thread serves `submit` and whatever callers leave; False: no thread is ever
         started (the calling thread of `transcribe` runs the iterations, `step()` runs one; for
-        single-threaded hosts and deterministic tests)."""
+        single-threaded hosts and deterministic tests); `cuda_graphs`: run each iteration's
+        draft and verify steps on the graph-shaped path (rows padded to a power-of-two bucket,
+        fixed shapes), captured as CUDA graphs per (bucket, k) on a GPU; True on a CPU runs that
+        same path eagerly (for tests); None: on for CUDA, off elsewhere; `sampling`: how a
+        sampled row accepts proposals: "race" keeps a proposal equal to the target's own seeded
+        race winner (a seed gives the same tokens whatever k, batch or draft), "rejection" runs
+        Leviathan et al.'s acceptance test and residual resampling (rejection.py: accepts a little
+        more; tokens then depend on the draft); both sample exactly the target's distribution."""
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if sampling not in ("race", "rejection"):
+            raise ValueError(f"sampling must be 'race' or 'rejection', got {sampling!r}")
         if not (isinstance(max_batch, int) and 1 <= max_batch <= 256):
             raise ValueError(f"max_batch must be an int in 1..256, got {max_batch!r}")
         self.dtype = dtype
@@ -80,8 +88,15 @@ class Engine:
             self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
             if compact_draft and not self.drafter.shared_encoder and cpu_ops.native_bf16():
                 draft_model.model.compact_encoder()  # its own encoder pass: the largest part of its cost
-        self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be None or a bool, got {cuda_graphs!r}")
+        # off a GPU the same steps run eagerly, rehearsing a capture's warm-up (and its rewind)
+        graphs = StepGraphs(True, self.device, rehearse=self.device.type != "cuda") if cuda_graphs else None
+        self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype, graphs, sampling)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
+        self.speculation = Speculation(self.runner, self.drafter, self.device)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False  # set at interpreter exit: the loop thread returns (see _stop_loops)
@@ -318,68 +333,27 @@ class Engine:
                     self.scheduler.fail_all(exc)
 
     def step(self) -> None:
-        """One iteration: admit, draft, verify, accept, commit, let finished windows leave."""
+        """One iteration: admit, draft, verify-accept-commit, let finished windows leave."""
         with self._cond:
             admitted = self.scheduler.schedule()
         B = len(self.scheduler.running)
         if B == 0:
             return
         self.peak_batch = max(self.peak_batch, B)
-        runner = self.runner
         if admitted:
-            runner.progress(B)  # refresh the host's view of lengths after prefills
-        modes = runner.modes(B)
-        k, rule = self._choose_k(B)
-        proposals = None
+            self.runner.progress(B)  # the host's view of lengths after prefills
+        modes = self.runner.modes(B)
+        k = self.speculation.begin(B)
         if k > 0:
-            t0 = time.perf_counter()
-            started = runner.start_drafts(B)
-            if started and rule is not None and not self.drafter.shared_encoder:
-                # a draft's own encoder pass counts against speculation (a shared-encoder draft's
-                # setup, its cross K/V and prompt, is small next to what it saves in a window)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                rule.charge(time.perf_counter() - t0, started)
-        clock = StepClock(self.device)
-        if k > 0:
-            proposals = runner.draft(B, k, modes)
-        clock.mark()
-        runner.verify_accept_commit(B, k, proposals, modes)
-        clock.mark()
-        progress = runner.progress(B)  # the one host read of the iteration
+            self.runner.draft(B, k, modes)
+        self.speculation.drafted()
+        self.runner.verify_accept_commit(B, k, modes)
+        progress = self.runner.progress(B)  # the one host read of the iteration
+        self.speculation.end(progress)
         self.host_syncs += 1
         self.iterations += 1
-        if rule is not None:
-            draft_seconds, verify_seconds = clock.intervals()
-            done = progress[0].tolist()
-            rule.update(k, progress[2].tolist(), done, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
-            for s in (s for s in range(B) if done[s] and runner.host_options[s].use_draft):
-                rule.window_done(int(progress[1, s]) - len(runner.host_options[s].prompt))
         with self._cond:
             self.scheduler.postprocess(progress)
-
-    def _choose_k(self, B: int) -> tuple[int, DraftLength | None]:
-        """The iteration's k: the largest a row asks for (rows with a smaller fixed k propose fewer);
-        adaptive rows follow the drafter's running estimate."""
-        if self.drafter is None:
-            return 0, None
-        specs = [r for r in self.runner.host_options[:B] if r is not None and r.use_draft]
-        if not specs:
-            return 0, None
-        adaptive = any(sp.num_draft_tokens is None for sp in specs)
-        k = max((sp.num_draft_tokens or 0) for sp in specs)
-        rule = self.drafter.length if adaptive else None
-        if adaptive and not rule.calibrated and self.device.type == "cpu":
-            rule.calibrate(**self.drafter.measure_costs(self.device, self.dtype))
-        if adaptive:
-            # a probe measures acceptance where a draft runs already: it does not pay a draft's
-            # own encoder worth more than a probe interval of plain steps (tiny.en's float32
-            # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
-            probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
-                                 and self.runner.drafts_pending(B))
-            k = max(k, 0 if probe_needs_setup else rule.k)
-        room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
-        return max(0, min(k, MAX_K, room)), rule
 
     # ---------------------------------------------------------------- input checks
     def _as_mel(self, x, whole: bool = False) -> tuple[bool, torch.Tensor]:
@@ -447,31 +421,6 @@ def _stop_loops() -> None:
         thread = engine._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10.0)
-
-
-class StepClock:
-    """Times the draft and verify parts of an iteration: wall clock on CPU, CUDA events on GPU
-    (read after the iteration's one host sync, so timing adds none)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = [self._now()]
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def mark(self) -> None:
-        self.marks.append(self._now())
-
-    def intervals(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def same_decoder(a, b) -> bool:

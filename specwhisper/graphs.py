@@ -20,8 +20,14 @@ What a captured step must obey (the eager path does not check these; the GPU tes
   copy what must outlive it;
 - warm-up calls `fn` `warmup` extra times before capture (capture itself runs nothing), so a step
   that is not *idempotent* (e.g. `length += n` in place) must be captured ahead with `capture()` on
-  scratch state, before real state exists; `rehearse=True` makes the eager path call `fn` as often
-  as capture would, so CPU tests see the same effect.
+  scratch state, before real state exists, or be given a `rewind`: a callable that saves the
+  state the step changes and returns a function restoring it, called after each warm-up call, so
+  the first use has the effect of exactly one call; `rehearse=True` makes the eager path call `fn`
+  as often as capture would (rewinding alike), so CPU tests see the same effect.
+
+The engine's runner uses this for its two per-iteration steps, `draft(k)` and
+`verify_accept_commit(k)`, keyed by (step, batch bucket, k, modes): the live rows padded with inert
+rows to a power-of-two bucket, one graph per key captured on first use (rewound), replayed after.
 """
 from __future__ import annotations
 
@@ -69,22 +75,28 @@ class StepGraphs:
         self._in_step = False
 
     # ------------------------------------------------------------------ public
-    def run(self, key: Hashable, fn: Callable[[], Outputs]) -> Outputs:
+    def run(self, key: Hashable, fn: Callable[[], Outputs],
+            rewind: Callable[[], Callable[[], None]] | None = None) -> Outputs:
         """The outputs of step `key`: replayed from its graph (captured on first use) on CUDA,
-        `fn()` itself in eager mode. `fn` must be the same computation every time for a key."""
+        `fn()` itself in eager mode. `fn` must be the same computation every time for a key.
+        `rewind()` (optional) saves the state `fn` changes and returns a function restoring it:
+        warm-up calls are then undone, and the first use changes the state as one call does."""
         _check_key(key)
         if not callable(fn):
             raise TypeError(f"fn for step {key!r} must be callable, got {type(fn).__name__}")
         if self._in_step:
             raise RuntimeError(f"StepGraphs.run({key!r}) was called from inside a step; steps cannot nest")
         if not self.capturing:
-            calls = self.warmup + 1 if self.rehearse and key not in self._seen else 1
+            if self.rehearse and key not in self._seen:
+                restore = rewind() if rewind is not None else None
+                for _ in range(self.warmup):
+                    self._call(key, fn)
+                    if restore is not None:
+                        restore()
             self._seen.add(key)
-            for _ in range(calls):
-                outputs = self._call(key, fn)
-            return outputs
+            return self._call(key, fn)
         if key not in self._graphs:
-            self._capture(key, fn)
+            self._capture(key, fn, rewind)
         graph, outputs = self._graphs[key]
         graph.replay()
         return outputs
@@ -131,13 +143,16 @@ class StepGraphs:
         _check_outputs(key, outputs)
         return outputs
 
-    def _capture(self, key, fn) -> None:
+    def _capture(self, key, fn, rewind=None) -> None:
         device = self.device
+        restore = rewind() if rewind is not None else None  # saved on the current stream
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
                 self._call(key, fn)
+                if restore is not None:
+                    restore()
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()

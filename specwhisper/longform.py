@@ -35,17 +35,14 @@ import torch
 
 from .audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, is_silent, pad_or_trim
 from .config import TranscribeOptions
+from .constants import FRAMES_PER_SECOND, N_AUDIO_CTX, N_TEXT_CTX, NO_LIMIT, TIME_PRECISION
 from .results import Segment, Stats, Transcription
 from .timing import AlignmentRequest, add_word_timestamps, find_alignment, get_end, is_segment_anomaly, \
     next_words_segment
 from .tokenizer import Tokenizer, split_at_timestamps
 from .window import SAMPLE_LEN, WindowRequest, WindowResult
 
-N_AUDIO_CTX = 1500  # encoder positions per window
 INPUT_STRIDE = N_FRAMES // N_AUDIO_CTX  # mel frames per timestamp step: 2
-TIME_PRECISION = INPUT_STRIDE * HOP_LENGTH / SAMPLE_RATE  # seconds per timestamp step: 0.02
-N_TEXT_CTX = 448  # decoder positions
-FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # mel frames per second: 100
 
 
 def compression_ratio(text: str) -> float:
@@ -81,7 +78,7 @@ class LongformJob:
         self.duration = float(self.content_frames * HOP_LENGTH / SAMPLE_RATE)
         # openai's `max_initial_timestamp` option: falsy (None or 0.0) means no limit
         mit = options.max_initial_timestamp
-        self.max_initial_timestamp_index = round(mit / TIME_PRECISION) if mit else -1
+        self.max_initial_timestamp_index = round(mit / TIME_PRECISION) if mit else NO_LIMIT
 
         self.seek = 0  # mel frame where the next window starts
         self.segment_size = 0  # mel frames of audio in the current window

@@ -3,7 +3,8 @@
 - `exp_noise`, `race_sample`: counter-based noise and race sampling (the reproducible coupling);
 - `speculative_sample_noise` / `speculative_sample`: rejection sampling (accept / reject / resample);
 - `speculative_sample_mapped`: rejection sampling with a mapped draft's exact probabilities
-  (reference only).
+  (reference only); `speculative_sample_probs`: the same rule on any exact probabilities (per-row
+  parameters; reference only).
 Backends: CUDA tensors use the Triton kernels (`kernels/spec_sample.py`); CPU tensors the C++ ops
 `specwhisper::*` (`csrc/`), built just in time with ninja on first use into
 ~/.cache/specwhisper/build (or $SPECWHISPER_BUILD_DIR; $SPECWHISPER_NO_EXT=1 turns them off);
@@ -152,6 +153,16 @@ def speculative_sample_mapped(target_logits: torch.Tensor, draft_probs: torch.Te
     noise = sampling.draw_exp_noise((B, V + 1), target_logits.device, generator)
     return sampling.speculative_sample_mapped(target_logits, draft_probs, draft_tokens,
                                               temperature, top_p, u, noise)
+
+
+def speculative_sample_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                             draft_tokens: torch.Tensor, uniforms: torch.Tensor, exp_noise: torch.Tensor):
+    """Rejection sampling on exact float64 probabilities, target_probs [B, k+1, W] and draft_probs
+    [B, k, W] (per-row temperatures and top-p, or a mapped draft's probabilities in target ids:
+    `sampling.permute_probs`), draft_tokens [B, k] int64 in [0, W), uniforms [B, k] float64 in
+    (0, 1], exp_noise [B, W] float32 > 0 -> `sampling.accept_probs` (reference on every device:
+    the probabilities already fill [B, k, W] in float64, the rule itself is a few passes over them)."""
+    return sampling.accept_probs(target_probs, draft_probs, draft_tokens, uniforms, exp_noise)
 
 
 # --- backends ------------------------------------------------------------------------------------

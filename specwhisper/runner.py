@@ -23,18 +23,28 @@ tokens[n_tokens - 1], at position n_tokens - 1, and the cache holds positions < 
 prompt_len, budget (max n_tokens), done; per-row options (temperature, top_p, seed, timestamps);
 draft side: dtokens [S, L] draft ids, dn [S], dcached [S] (leading draft tokens in its cache).
 The host reads one small tensor per iteration (`progress`): done flags, lengths, acceptances.
+
+Graph-shaped path (`graphs` given; CUDA graphs on a GPU, the same code eagerly on a CPU): `draft(k)`
+and `verify_accept_commit(k)` run over a power-of-two *bucket* of rows, the live rows then inert
+padding rows (done, no draft: they append nothing), with fixed shapes (the full cache width, the
+fixed catch-up width), inputs and outputs in static buffers, and no host read inside; one graph per
+(step, bucket, k, modes). Without `graphs` (the CPU default) the steps run over exactly the live
+rows and trim the attended width to the longest row (host mirrors of the lengths).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from . import ops
+from . import ops, rules, sampling
+from .constants import MAX_DRAFT_TOKENS as MAX_K, NO_LIMIT, NO_PROPOSAL
+from .rejection import accept_by_rejection
 from .draft import Drafter, greedy_tokens
+from .graphs import StepGraphs
 from .model import DecoderCache
 
-MAX_K = 16  # the most draft tokens one verify pass checks
 
 
 @dataclass
@@ -49,7 +59,7 @@ class SeqSpec:
     top_p: float = 1.0
     seed: int = 0  # noise key of sampled rows (counter-based: tokens do not depend on k or batch)
     timestamps: bool = False  # apply the timestamp rules
-    max_initial_timestamp: int = -1  # last allowed initial timestamp index (-1: no limit)
+    max_initial_timestamp: int = NO_LIMIT  # last allowed initial timestamp index
     num_draft_tokens: int | None = None  # fixed k for this row; None: adaptive
     use_draft: bool = True  # False: the draft stands aside for this row
     sot_index: int = 0  # index of <|startoftranscript|> in `prompt` (no-speech probability)
@@ -59,6 +69,23 @@ class SeqSpec:
     def plain(self) -> bool:
         """Plain greedy: the exact (screened) greedy head, no full logits needed."""
         return self.temperature == 0 and not self.timestamps and not self.need_logprobs
+
+
+class Modes(NamedTuple):
+    """Which token-choosing paths an iteration needs (from the host's copy of the rows' options)."""
+
+    any_plain: bool  # a plain-greedy row: the screened head
+    any_full: bool  # a row that needs full logits (sampled, timestamps, log-probabilities)
+    any_timestamps: bool  # a row under the timestamp rules
+
+
+class Progress(NamedTuple):
+    """The host's one read per iteration, per live row."""
+
+    done: list[bool]
+    n_tokens: list[int]
+    accepted: list[int]  # accepted drafts this iteration (-1: none proposed)
+    draft_len: list[int]  # the draft's sequence length (n_tokens without a draft)
 
 
 @dataclass
@@ -73,13 +100,29 @@ class SeqOutput:
     draft_passes: int
 
 
+ENCODER_BUCKET = 4  # windows per encoder call on the graph-shaped path (always this shape, padded)
+
+
+def bucket_size(rows: int) -> int:
+    """The power-of-two batch bucket that holds `rows` live rows."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 class Runner:
-    def __init__(self, target, drafter: Drafter | None, max_batch: int, device, dtype):
+    def __init__(self, target, drafter: Drafter | None, max_batch: int, device, dtype,
+                 graphs: StepGraphs | None = None, sampling_rule: str = "race"):
+        """`graphs`: run the steps on the graph-shaped path through it (see the module docstring);
+        None: the unpadded eager path. `sampling_rule`: how sampled rows accept proposals, "race"
+        (a proposal equal to the target's seeded race winner) or "rejection" (rejection.py)."""
+        if sampling_rule not in ("race", "rejection"):
+            raise ValueError(f"sampling must be 'race' or 'rejection', got {sampling_rule!r}")
+        self.sampling_rule = sampling_rule
         self.target, self.drafter = target, drafter
         self.device, self.dtype, self.max_batch = device, dtype, max_batch
+        self.graphs = graphs
         cfg = target.config
         self.max_pos = cfg.max_target_positions  # 448
-        S, L = max_batch, self.max_pos + 2 * MAX_K + 8
+        S, L = (bucket_size(max_batch) if graphs is not None else max_batch), self.max_pos + 2 * MAX_K + 8
         self.cache = DecoderCache.allocate(cfg, S, device, dtype)
         z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.tokens, self.n_tokens, self.prompt_len, self.budget = z(S, L), z(S), z(S), z(S)
@@ -99,8 +142,13 @@ class Runner:
         self.eot = tok.eot
         self.no_speech_id = next((i for i in (tok.backend.token_to_id("<|nospeech|>"),
                                               tok.backend.token_to_id("<|nocaptions|>")) if i is not None), None)
+        self.n_tokens.fill_(1)  # a free slot is inert: done, one (pending) token, nothing to append
+        self.done.fill_(True)
         self.host_options = [None] * S  # SeqSpec per slot (host copy, for mode decisions)
-        self.trim = device.type == "cpu"  # attend only up to the longest row (CPU: measurably faster)
+        # attend only up to the longest row, feed only the uncached draft tokens (host reads;
+        # CPU: measurably faster); the graph-shaped path keeps fixed shapes instead
+        self.trim = device.type == "cpu" and graphs is None
+        self.rule_tables = rules.RuleTables.build(target.tokenizer, cfg.vocab_size, device)
         self._host_n_max = self._host_dn_max = self.max_pos  # host mirrors, refreshed by progress()
         self.host_n = [0] * S  # n_tokens per slot as of the last progress() read
         self.host_budget = [0] * S  # budget per slot (known on the host from the spec)
@@ -119,6 +167,9 @@ class Runner:
             self.catchup = 1 + self.t2d.shape[1]  # fixed catch-up width: the last draft + a spelling
             self.draft_synced = True  # every row's uncached draft tokens fit the catch-up width
             self.raw = z(S, MAX_K)  # last proposals in draft ids
+            self.proposals = z(S, MAX_K)  # last proposals in target ids (-1: none), read by verify
+            if sampling_rule == "rejection":  # the logits each proposal was raced from (its q)
+                self.draft_logits = z(S, MAX_K, d.draft.config.vocab_size, dtype=torch.float32)
 
     # ---------------------------------------------------------------- slots
     def cache_rows(self, cache: DecoderCache, s: int) -> DecoderCache:
@@ -148,11 +199,56 @@ class Runner:
         if self.drafter is not None:
             self.draft_pending[src] = None
 
+    def pad_rows(self, B: int) -> int:
+        """The bucket of B live rows (graph-shaped path); rows B.. of it are made inert (done, no
+        draft): they append nothing, and whatever they compute is never read."""
+        R = bucket_size(B)
+        if R > B:
+            self.done[B:R] = True
+            if self.drafter is not None:
+                self.draft_on[B:R] = False
+        return R
+
+    def step_state(self) -> list[torch.Tensor]:
+        """The per-slot tensors a step changes (besides cache entries at positions it rewrites
+        from these): what `rewind` saves before a graph's warm-up calls."""
+        state = [self.tokens, self.n_tokens, self.done, self.sum_logprob, self.drafted, self.accepted_total,
+                 self.target_passes, self.draft_passes, self.accepted_now]
+        if self.drafter is not None:
+            state += [self.dtokens, self.dn, self.dcached, self.raw, self.proposals]
+        return state
+
+    def rewind(self):
+        """Save the step state -> a function restoring it (`StepGraphs.run`'s `rewind`)."""
+        saved = [t.clone() for t in self.step_state()]
+
+        def restore() -> None:
+            for t, s in zip(self.step_state(), saved):
+                t.copy_(s)
+        return restore
+
     # ---------------------------------------------------------------- admission
     @torch.inference_mode()
     def encode(self, mels: torch.Tensor) -> torch.Tensor:
         """mel [B, n_mels, 3000] -> target encoder output [B, 1500, d]."""
         return self.target.model.encoder(mels.to(self.device, self.dtype))
+
+    def encode_windows(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Encoder outputs [1500, d] of windows' mels [n_mels, 3000], each independent of the
+        others: a batched GEMM may round a row differently beside other rows, so the CPU path
+        encodes one window at a time (compute-bound there: batching gains nothing), and a GPU
+        always encodes ENCODER_BUCKET windows at once (zero-padded): one shape, so a window's
+        features never depend on its neighbours either."""
+        if self.device.type != "cuda":
+            return [self.encode(m[None])[0] for m in mels]
+        out = []
+        for i in range(0, len(mels), ENCODER_BUCKET):
+            chunk = mels[i:i + ENCODER_BUCKET]
+            batch = torch.zeros(ENCODER_BUCKET, *chunk[0].shape, device=self.device, dtype=self.dtype)
+            for j, m in enumerate(chunk):
+                batch[j] = m
+            out += list(self.encode(batch)[:len(chunk)])
+        return out
 
     @torch.inference_mode()
     def detect_language(self, features: torch.Tensor) -> list[str]:
@@ -195,8 +291,9 @@ class Runner:
             self.no_speech[s] = sot_logits.softmax(-1)[self.no_speech_id]
         # the first token: the prompt's last position, as if it were a one-position verify pass
         slot = torch.tensor([s], device=self.device)
-        first = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1, (spec.plain, not spec.plain, spec.timestamps))
-        self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device))
+        first, logits = self.choose(hidden[:, -1:], slot, self.n_tokens[slot] - 1,
+                                    Modes(spec.plain, not spec.plain, spec.timestamps), first=True)
+        self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device), logits)
         if self.drafter is not None:
             # the draft starts at the row's first drafting iteration (`start_drafts`): while the
             # adaptive k keeps speculation off, a draft with its own encoder costs nothing
@@ -244,53 +341,46 @@ class Runner:
         self.draft_synced = False  # more than the catch-up width may be uncached
 
     # ---------------------------------------------------------------- choosing tokens
-    def modes(self, B: int) -> tuple[bool, bool, bool]:
-        """(any plain-greedy row, any full-logits row, any timestamp row) among the first B slots
-        (from the host's copy of the options: no device read)."""
+    def modes(self, B: int) -> Modes:
+        """The paths the first B slots need (from the host's copy of the options: no device read)."""
         specs = [sp for sp in self.host_options[:B] if sp is not None]
-        return (any(sp.plain for sp in specs), any(not sp.plain for sp in specs),
-                any(sp.timestamps for sp in specs))
+        return Modes(any(sp.plain for sp in specs), any(not sp.plain for sp in specs),
+                     any(sp.timestamps for sp in specs))
 
     def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
-               modes: tuple[bool, bool, bool], proposals: torch.Tensor | None = None,
-               first: bool = False) -> torch.Tensor:
+               modes: Modes, proposals: torch.Tensor | None = None, first: bool = False):
         """The target's choices [B, T] from hidden [B, T, d] of rows `slots` [B]; position t of row
         b predicts the token at index `index[b] + 1 + t` (`index` is the pending token's index).
+        Also returns the logits [B, T, V] under Whisper's rules that full rows chose from (None
+        when no row is full).
 
         A row's choice depends only on its own options, never on its batch neighbours: plain
         greedy rows use the exact screened head; the others the full logits under Whisper's
-        rules, then the seeded race (temperature 0: the argmax). Leaves the log-probabilities of
-        full rows in `self.last_logprobs` [B, T, V] (None when no row is full). `first`: the pass
-        may predict a row's first generated token (admission); a verify pass never does (each
-        row's first token is chosen at admission), so its banned tokens are the same [V] at every
-        position (no [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on tiny data)."""
-        any_plain, any_full = modes[:2]
+        rules, then the seeded race (temperature 0: the argmax). `first`: the pass may predict a
+        row's first generated token (admission); a verify pass never does (each row's first token
+        is chosen at admission), so its banned tokens are the same [V] at every position (no
+        [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on tiny data)."""
         B, T, _ = hidden.shape
         predicted = index[:, None] + 1 + torch.arange(T, device=self.device)  # [B, T]
         at_begin = predicted == self.prompt_len[slots][:, None]
         banned = self.suppress | (at_begin[..., None] & self.begin_suppress) if first else self.suppress
-        self.last_logprobs = None
-        choice = greedy_tokens(self.target, self.target.head, hidden, banned) if any_plain else None
-        if any_full:
+        logits = None
+        choice = greedy_tokens(self.target, self.target.head, hidden, banned) if modes.any_plain else None
+        if modes.any_full:
             raw = self.target.model.decoder.logits(hidden).float()
             logits = raw.masked_fill(banned, -float("inf"))
             rows = slots[:, None].expand(B, T).reshape(-1)
-            if modes[2]:
+            if modes.any_timestamps:
                 ruled = self.timestamp_rules(raw, slots, predicted, at_begin, proposals)
                 logits = torch.where(self.timestamps[slots][:, None, None], ruled, logits)
-            self.last_logprobs = torch.log_softmax(logits, dim=-1)
             raced = sampling_race(logits.reshape(B * T, -1), self.temperature[rows], self.top_p[rows],
                                   self.seed[rows], predicted.reshape(-1), None).view(B, T)
             choice = raced if choice is None else torch.where(self.plain[slots][:, None], choice, raced)
-        return choice
+        return choice, logits
 
     def timestamp_rules(self, logits, slots, predicted, at_begin, proposals) -> torch.Tensor:
         """Whisper's timestamp rules at every position [B, T] of a pass, each position given its
         own prefix: the row's tokens, then the proposals before it. Returns new logits."""
-        from . import rules
-
-        if getattr(self, "rule_tables", None) is None:
-            self.rule_tables = rules.RuleTables.build(self.target.tokenizer, logits.shape[-1], self.device)
         B, T, V = logits.shape
         seq = self.tokens[slots]  # [B, L] (a copy)
         if proposals is not None and proposals.shape[1]:
@@ -315,20 +405,27 @@ class Runner:
 
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
-    def draft(self, B: int, k: int, modes: tuple[bool, bool, bool]) -> torch.Tensor:
-        """k proposals per row [B, k] in target ids (-1: no usable proposal from there on)."""
+    def draft(self, B: int, k: int, modes: Modes) -> None:
+        """k proposals per row into `self.proposals[:B, :k]`, in target ids (-1: no usable proposal
+        from there on)."""
+        if not self.draft_synced:
+            self.catch_up(B)
+        if self.graphs is None:
+            # the widest row's uncached tokens (a host read costs nothing on a CPU): a draft with
+            # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
+            # drafting base), almost always 1 or 2 tokens are uncached
+            self.draft_step(B, k, modes, self.uncached_width(B) if self.trim else self.catchup)
+            return
+        R = self.pad_rows(B)
+        self.graphs.run(("draft", R, k, modes), lambda: self.draft_step(R, k, modes, self.catchup), self.rewind)
+
+    def draft_step(self, B: int, k: int, modes: Modes, width: int) -> torch.Tensor:
+        """`draft` over the first B slots, feeding `width` draft positions first (graph-safe when
+        `self.trim` is off) -> the proposals [B, k]."""
         d = self.drafter
         ddec = d.draft.model.decoder
         slots = torch.arange(B, device=self.device)
-        if not self.draft_synced:
-            self.catch_up(B)
         dn = self.dn[:B]
-        width = self.catchup
-        if self.device.type == "cpu":
-            # the widest row's uncached tokens (a host read costs nothing here): a draft with
-            # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
-            # drafting base), almost always 1 or 2 tokens are uncached
-            width = self.uncached_width(B)
         src = self.uncached_positions(B, width)  # [B, width]
         feed = self.dtokens[:B].gather(1, src)
         kv_len = min(int(self._host_dn_max) + k + 1, self.max_pos + 1) if self.trim else None
@@ -350,7 +447,8 @@ class Runner:
         limit = torch.where(self.row_k[:B] > 0, self.row_k[:B], k)
         usable &= j_range(k, self.device)[None] < limit[:, None]
         usable = usable.long().cumprod(dim=1).bool()
-        return torch.where(usable, mapped, -1)
+        self.proposals[:B, :k] = torch.where(usable, mapped, NO_PROPOSAL)
+        return self.proposals[:B, :k]
 
     def uncached_positions(self, B: int, width: int) -> torch.Tensor:
         """Draft positions [B, width] to feed: each row's uncached tokens, right-aligned; shorter
@@ -379,16 +477,18 @@ class Runner:
         far (another vocabulary only suppresses: its proposals are verified all the same)."""
         d = self.drafter
         banned = d.draft.suppress
-        if not modes[1]:
+        if not modes.any_full:
             return d.greedy(hidden, banned)[:, 0]
         raw = d.draft.model.decoder.logits(hidden[:, 0]).float()
         logits = raw.masked_fill(banned, -float("inf"))
-        if modes[2] and d.vocab.identity:
+        if modes.any_timestamps and d.vocab.identity:
             predicted = (index + 1)[:, None]
             at_begin = predicted == self.prompt_len[slots][:, None]
             prefix = torch.stack(raws, dim=1) if raws else None
             ruled = self.timestamp_rules(raw[:, None], slots, predicted, at_begin, prefix)[:, 0]
             logits = torch.where(self.timestamps[slots][:, None], ruled, logits)
+        if self.sampling_rule == "rejection":
+            self.draft_logits[:hidden.shape[0], len(raws)] = logits
         return sampling_race(logits, self.temperature[slots], self.top_p[slots], self.seed[slots],
                              index + 1, self.noise_ids)
 
@@ -403,8 +503,32 @@ class Runner:
         self.draft_synced = True
 
     @torch.inference_mode()
-    def verify_accept_commit(self, B: int, k: int, proposals: torch.Tensor | None, modes) -> None:
+    def verify_accept_commit(self, B: int, k: int, modes: Modes) -> None:
+        """One target pass over each row's pending token and its k proposals (`draft`), the
+        accepted prefix and the correction or bonus token appended, the draft's state kept in step."""
+        shared = self.shared_sampling(B) if k > 0 and modes.any_full and self.sampling_rule == "rejection" else None
+        if self.graphs is None:
+            self.verify_step(B, k, modes, shared)
+        else:
+            R = self.pad_rows(B)
+            self.graphs.run(("verify", R, k, modes, shared), lambda: self.verify_step(R, k, modes, shared),
+                            self.rewind)
+        if k == 0 and self.drafter is not None:
+            self.draft_synced = False  # the draft did not follow this pass's token
+
+    def shared_sampling(self, B: int) -> tuple[float, float] | None:
+        """(temperature, top_p) as float32 values when every sampled row among the first B has
+        them (rejection sampling then runs the fused kernels), else None (host copy of options)."""
+        params = {(sampling.f32(sp.temperature), sampling.f32(sp.top_p)) for sp in self.host_options[:B]
+                  if sp is not None and sp.temperature > 0}
+        return params.pop() if len(params) == 1 else None
+
+    def verify_step(self, B: int, k: int, modes: Modes,
+                    shared: tuple[float, float] | None = None) -> torch.Tensor:
+        """`verify_accept_commit` over the first B slots -> the new lengths [B]. `shared`: see
+        `shared_sampling` (rejection mode)."""
         dec = self.target.model.decoder
+        proposals = self.proposals[:B, :k] if k > 0 else None
         slots = torch.arange(B, device=self.device)
         n = self.n_tokens[:B]
         pending = self.tokens[:B].gather(1, (n - 1)[:, None])  # [B, 1]
@@ -412,15 +536,23 @@ class Runner:
         pos = (n - 1)[:, None] + torch.arange(k + 1, device=self.device)
         kv_len = min(int(self._host_n_max) + k + 1, self.max_pos + 1) if self.trim else None
         hidden = dec.hidden(feed, pos, DecoderCache(*(t[:, :B] for t in self.cache.buffers())), kv_len=kv_len)
-        choice = self.choose(hidden, slots, n - 1, modes, proposals)  # [B, k+1]
+        choice, logits = self.choose(hidden, slots, n - 1, modes, proposals)  # [B, k+1]
         self.target_passes[:B] += 1
         if k == 0:
             n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
         else:
             n_acc = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
+            if self.sampling_rule == "rejection" and modes.any_full:
+                d2t = None if self.drafter.vocab.identity else self.d2t
+                emitted, accepted = accept_by_rejection(
+                    logits, self.draft_logits[:B, :k], proposals, choice, d2t, self.temperature[:B],
+                    self.top_p[:B], self.seed[:B], n - 1, shared)
+                sampled = self.temperature[:B] > 0  # greedy rows keep their argmax choices
+                choice = torch.where(sampled[:, None], emitted, choice)
+                n_acc = torch.where(sampled, accepted, n_acc)
             valid = (proposals >= 0).sum(dim=1)
             live = ~self.done[:B]
-        emitted = self.commit_target(slots, choice, n_acc + 1)
+        emitted = self.commit_target(slots, choice, n_acc + 1, logits)
         if k > 0:
             # proposals past a row's end (EOT or budget) were never needed: not counted
             self.drafted[:B] += torch.where(live, torch.where(self.done[:B], torch.minimum(valid, emitted), valid), 0)
@@ -431,10 +563,13 @@ class Runner:
             self.accepted_now[:B] = torch.where(~self.done[:B], 0, -1)
         if self.drafter is not None:
             self.commit_draft(B, k, n_acc)
+        return self.n_tokens[:B]
 
-    def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor) -> torch.Tensor:
+    def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor,
+                      logits: torch.Tensor | None) -> torch.Tensor:
         """Append the first `n_emit` choices of each row (cut at EOT and the budget) -> the number
-        appended [B]. Done rows append nothing."""
+        appended [B]; their log-probabilities under `logits` [B, T, V] (full rows; None: none)
+        add to the rows' sums. Done rows append nothing."""
         B, T = choice.shape
         n = self.n_tokens[slots]
         t = torch.arange(T, device=self.device)
@@ -446,8 +581,8 @@ class Runner:
         idx = n[:, None] + t[None]
         old = self.tokens[slots].gather(1, idx)
         self.tokens[slots[:, None], idx] = torch.where(keep, choice, old)
-        if self.last_logprobs is not None:
-            lp = self.last_logprobs.gather(2, choice[..., None]).squeeze(2).double()  # [B, T]
+        if logits is not None:
+            lp = torch.log_softmax(logits, dim=-1).gather(2, choice[..., None]).squeeze(2).double()  # [B, T]
             self.sum_logprob[slots] += torch.where(keep, lp, 0.0).sum(1)
         n_new = n + m
         self.n_tokens[slots] = n_new
@@ -463,8 +598,6 @@ class Runner:
         if k > 0:
             self.dtokens[rows, dn[:, None] + j_range(k, self.device)] = self.raw[:B, :k]
             self.dcached[:B] = torch.minimum(self.dcached[:B], dn + n_acc)
-        else:
-            self.draft_synced = False
         last = self.tokens[:B].gather(1, (self.n_tokens[:B] - 1)[:, None])[:, 0]
         W = self.t2d.shape[1]
         base = dn + n_acc
@@ -484,15 +617,15 @@ class Runner:
                               self.cache.cross_v[:, idx], self.target.alignment_heads, self.eot)
 
     # ---------------------------------------------------------------- host view
-    def progress(self, B: int) -> torch.Tensor:
-        """The one small tensor the host reads per iteration: [4, B] = done, n_tokens,
-        accepted drafts this iteration (-1: none proposed), draft length."""
+    def progress(self, B: int) -> Progress:
+        """The one small read the host makes per iteration (one [4, B] tensor)."""
         dn = self.dn[:B] if self.drafter is not None else self.n_tokens[:B]
-        progress = torch.stack([self.done[:B].long(), self.n_tokens[:B], self.accepted_now[:B], dn]).cpu()
+        done, n, accepted, draft_len = torch.stack([self.done[:B].long(), self.n_tokens[:B],
+                                                    self.accepted_now[:B], dn]).tolist()
         if B:
-            self._host_n_max, self._host_dn_max = int(progress[1].max()), int(progress[3].max())
-            self.host_n[:B] = progress[1].tolist()
-        return progress
+            self._host_n_max, self._host_dn_max = max(n), max(draft_len)
+            self.host_n[:B] = n
+        return Progress([bool(d) for d in done], n, accepted, draft_len)
 
     def output(self, s: int) -> SeqOutput:
         n, P = int(self.n_tokens[s]), int(self.prompt_len[s])

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from .results import Stats, Transcription
-from .runner import SeqOutput, SeqSpec
+from .runner import Progress, SeqOutput, SeqSpec
 
 
 @dataclass
@@ -97,10 +97,20 @@ class Scheduler:
                 continue
             joining.append(req)
         joining = [r for r in joining if not self._abandon(r)]
-        # one window at a time: a batched encoder GEMM may round a row differently with other rows
-        # beside it, and a request's tokens must not depend on its neighbours (on this CPU,
-        # batching the encoder gains nothing: it is compute-bound)
-        joining = [r for r in joining if r.window.features is not None or self._try(r, self._encode)]
+        fresh = [r for r in joining if r.window.features is None]
+        if fresh:
+            # a window's features never depend on the windows encoded beside it (`encode_windows`)
+            try:
+                features = self.runner.encode_windows([r.window.mel for r in fresh])
+            except Exception as exc:
+                for r in fresh:
+                    self._fail(r, exc)
+                joining = [r for r in joining if r.window is not None]
+            else:
+                for r, f in zip(fresh, features):
+                    r.window.features = f
+                    if hasattr(r.job, "keep_features"):  # fallback retries reuse the encoder output
+                        r.job.keep_features(f)
         detect = [r for r in joining if r.window.language is None and self.runner.target.tokenizer.multilingual]
         if detect:
             try:
@@ -113,12 +123,6 @@ class Scheduler:
                 for r, code in zip(detect, codes):
                     r.window.language = code
         return [r for r in joining if self._try(r, self._admit)]
-
-    def _encode(self, req: Request) -> None:
-        f = self.runner.encode(req.window.mel[None])[0]
-        req.window.features = f
-        if hasattr(req.job, "keep_features"):  # fallback retries reuse the encoder output
-            req.job.keep_features(f)
 
     def _admit(self, req: Request) -> None:
         spec = req.window.spec(req.window.language)
@@ -153,11 +157,11 @@ class Scheduler:
         return req.future.abandoned
 
     # ---------------------------------------------------------------- leaving
-    def postprocess(self, progress: torch.Tensor) -> None:
+    def postprocess(self, progress: Progress) -> None:
         """After an iteration: finished rows are recorded, the kept windows that want word
         timestamps get their alignment pass (one batch, over the cross K/V their slots still
         hold), then the finished rows leave (slots compacted)."""
-        done = progress[0].tolist()
+        done = progress.done
         errors: dict[int, BaseException] = {}
         recorded = []
         for slot in range(len(self.running)):

@@ -74,12 +74,3 @@ class VocabMap:
                 cached = [t.id for t in self.draft_backend.model.tokenize(s)]
             self.target_to_draft[target_id] = cached
         return cached
-
-    def proposals_to_target(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft proposals [B, k] -> (target ids [B, k], -1 from the first unmappable one on;
-        number of usable proposals [B])."""
-        if self.identity:
-            return raw, torch.full((raw.shape[0],), raw.shape[1], dtype=torch.long)
-        mapped = self.draft_to_target.to(raw.device)[raw]
-        ok = (mapped >= 0).long().cumprod(dim=1)
-        return torch.where(ok.bool(), mapped, -1), ok.sum(dim=1).cpu()

@@ -83,6 +83,23 @@ def test_rehearse_calls_fn_as_often_as_capture_would():
     assert int(length) == 8
 
 
+def rewinding(state: torch.Tensor):
+    """A `rewind` for one state tensor: save it, return its restorer."""
+    def rewind():
+        saved = state.clone()
+        return lambda: state.copy_(saved)
+    return rewind
+
+
+def test_rewind_makes_a_first_use_change_state_once():
+    length = torch.zeros((), dtype=torch.long)
+    graphs = StepGraphs(True, device="cpu", rehearse=True)
+    out = graphs.run("commit", lambda: length.add_(2), rewind=rewinding(length))
+    assert int(length) == 2 and int(out) == 2  # 4 calls, 3 of them undone
+    graphs.run("commit", lambda: length.add_(2), rewind=rewinding(length))
+    assert int(length) == 4
+
+
 @pytest.mark.parametrize("bad", [None, 3, [], [torch.zeros(1), 2], {"x": torch.zeros(1)}])
 def test_non_tensor_outputs_are_refused(bad):
     with pytest.raises(TypeError, match="must return a tensor"):
@@ -167,3 +184,12 @@ def test_capture_errors_name_the_step_and_the_cause():
     x = torch.ones(4, device="cuda")
     with pytest.raises(ValueError, match="cpu tensor"):
         StepGraphs(True, device="cuda").run("cpu-out", lambda: (x + 1, torch.zeros(1)))
+
+
+@pytest.mark.cuda
+def test_captured_step_with_rewind_changes_state_once_per_call():
+    length = torch.zeros(4, dtype=torch.long, device="cuda")
+    graphs = StepGraphs(True, device="cuda")
+    for call in range(1, 6):
+        graphs.run("commit", lambda: length.add_(torch.arange(4, device="cuda")), rewind=rewinding(length))
+        assert torch.equal(length.cpu(), call * torch.arange(4)), call

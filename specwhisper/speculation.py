@@ -1,0 +1,105 @@
+"""The speculation controller: each iteration's k, and the clocks and setup charges that feed the
+adaptive k (`draft.DraftLength`), kept out of the engine's iteration.
+
+`begin(B)` picks k (the largest a row asks for; adaptive rows follow the drafter's running
+estimate) and starts the drafts of rows whose draft is still pending (the setup of a draft with its
+own encoder is charged to speculation); `drafted()` marks the end of the draft step;
+`end(progress)` reads the draft and verify times (wall clock on a CPU, CUDA events on a GPU, read
+after the iteration's one host read, so timing adds no sync) and updates the estimate.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .constants import MAX_DRAFT_TOKENS
+from .draft import DraftLength
+
+
+class StepClock:
+    """Times the draft and verify parts of an iteration: wall clock on CPU, CUDA events on GPU
+    (read after the iteration's one host sync, so timing adds none)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+class Speculation:
+    """Per iteration: how many tokens to draft, and what the adaptive k learns from it."""
+
+    def __init__(self, runner, drafter, device: torch.device):
+        self.runner, self.drafter, self.device = runner, drafter, device
+        self.k = 0
+        self.rule: DraftLength | None = None  # the adaptive estimate this iteration follows
+        self.clock: StepClock | None = None
+
+    def begin(self, B: int) -> int:
+        """This iteration's k for the first B rows (0: a plain target step); starts pending drafts."""
+        self.k, self.rule = self.choose_k(B)
+        if self.k > 0:
+            t0 = time.perf_counter()
+            started = self.runner.start_drafts(B)
+            if started and self.rule is not None and not self.drafter.shared_encoder:
+                # a draft's own encoder pass counts against speculation (a shared-encoder draft's
+                # setup, its cross K/V and prompt, is small next to what it saves in a window)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.rule.charge(time.perf_counter() - t0, started)
+        self.clock = StepClock(self.device)
+        return self.k
+
+    def drafted(self) -> None:
+        """The draft step has been issued (the verify step's time starts here)."""
+        self.clock.mark()
+
+    def end(self, progress) -> None:
+        """After the iteration's host read (`Runner.progress`): feed the adaptive k."""
+        self.clock.mark()
+        if self.rule is not None:
+            draft_seconds, verify_seconds = self.clock.intervals()
+            self.rule.update(self.k, progress.accepted, progress.done, draft_seconds=draft_seconds,
+                             verify_seconds=verify_seconds)
+            options = self.runner.host_options
+            for s in (s for s, done in enumerate(progress.done) if done and options[s].use_draft):
+                self.rule.window_done(progress.n_tokens[s] - len(options[s].prompt))
+
+    def choose_k(self, B: int) -> tuple[int, DraftLength | None]:
+        """The largest k a row asks for (rows with a smaller fixed k propose fewer); adaptive rows
+        follow the drafter's running estimate."""
+        if self.drafter is None:
+            return 0, None
+        specs = [r for r in self.runner.host_options[:B] if r is not None and r.use_draft]
+        if not specs:
+            return 0, None
+        adaptive = any(sp.num_draft_tokens is None for sp in specs)
+        k = max((sp.num_draft_tokens or 0) for sp in specs)
+        rule = self.drafter.length if adaptive else None
+        if adaptive and not rule.calibrated and self.device.type == "cpu":
+            rule.calibrate(**self.drafter.measure_costs(self.device, self.runner.dtype))
+        if adaptive:
+            # a probe measures acceptance where a draft runs already: it does not pay a draft's
+            # own encoder worth more than a probe interval of plain steps (tiny.en's float32
+            # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
+            probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
+                                 and self.runner.drafts_pending(B))
+            k = max(k, 0 if probe_needs_setup else rule.k)
+        room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
+        return max(0, min(k, MAX_DRAFT_TOKENS, room)), rule
