@@ -4,9 +4,10 @@ Every request joins one running batch, whose iterations one thread at a time run
 `transcribe` when no other thread is decoding (one thread, one OpenMP pool), else the thread
 decoding already (a caller, or the engine's loop thread, which `submit` starts and which takes
 over what callers leave):
-`scheduler.schedule()` (admit waiting windows into free slots) -> `runner.draft(k)` ->
-`runner.verify_accept_commit(k)` -> one small host read -> `scheduler.postprocess(...)`
-(finished windows leave). Concurrent callers are decoded together, not one after another. The
+`scheduler.schedule()` (admit waiting windows into free slots) -> `speculation.begin()` (this
+iteration's k) -> `runner.draft(k)` -> `runner.verify_accept_commit(k)` -> one small host read ->
+`speculation.end(...)` (the adaptive k learns) -> `scheduler.postprocess(...)` (finished windows
+leave). Concurrent callers are decoded together, not one after another. The
 decode loop itself, and the glossary of speculative decoding, are in runner.py.
 """
 from __future__ import annotations
