@@ -10,8 +10,8 @@ on success; a failure keeps the message and empty fields). Bad files never stop 
 only whole parts, and skips every file that already has a record there.
 
 Before any Ray work the driver checks what the user can fix (the input exists, the output folder
-is writable, the model folders load) and raises `BulkError`, one line with an exit code for the
-CLI. A local cluster (the default) listens on 127.0.0.1 only, and a watchdog process
+is writable, the model folders load: `bulk_checks.py`) and raises `BulkError`, one line with an
+exit code for the CLI. A local cluster (the default) listens on 127.0.0.1 only, and a watchdog process
 (`ray_reaper`) ends its processes if the driver is killed.
 """
 from __future__ import annotations
@@ -36,22 +36,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise ImportError("bulk transcription needs Ray Data: pip install 'specwhisper[ray]'") from e
 
+from .bulk_checks import (EXIT_BAD_INPUT, EXIT_CLUSTER, EXIT_FILES_FAILED, EXIT_MODEL, EXIT_OUTPUT,  # noqa: F401
+                          BulkError, check_model_folder, check_output)
 from .results import Segment, Stats
-
-# `specwhisper bulk` exit codes (0: every file transcribed or already done)
-EXIT_FILES_FAILED = 1  # the job ran; some files could not be transcribed (records with an error)
-EXIT_BAD_INPUT = 2  # no such input, or an invalid option (argparse uses 2 as well)
-EXIT_OUTPUT = 3  # the results folder cannot be created or written
-EXIT_MODEL = 4  # a model folder is missing or does not load
-EXIT_CLUSTER = 5  # Ray could not start, connect or run the pipeline
-
-
-class BulkError(RuntimeError):
-    """A job that cannot run as asked: a one-line message for the user and `exit_code`."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 AUDIO_EXTENSIONS = frozenset(
     ".wav .flac .mp3 .ogg .oga .opus .m4a .mp4 .aac .webm .mkv .mka .wma .aiff .aif .au .caf .amr "
@@ -312,13 +299,13 @@ def connect(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     if address in (None, "local"):
-        from .ray_reaper import start_reaper
-
         # Ray resolves 127.0.0.1 to the machine's external address (so other nodes could join)
         # unless it runs as a single-machine cluster, which it does by default only on macOS
         # and Windows; this switch makes every Ray process (gRPC servers and agents) listen on
         # loopback only. Set in the environment too, for the processes Ray starts.
         from ray._private import ray_constants
+
+        from .ray_reaper import start_reaper
 
         os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
         ray_constants.ENABLE_RAY_CLUSTER = False
@@ -347,53 +334,6 @@ def _pool(job: BulkJob, n_files: int) -> tuple[int, float, str, int | None]:
     return actors, gpus_per_actor, device, threads
 
 
-def check_model_folder(folder: str, role: str) -> None:
-    """BulkError(EXIT_MODEL) unless `folder` holds a Whisper checkpoint that loads: config,
-    tokenizer, and safetensors whose keys and shapes match the config (headers only: no weights
-    are read on the driver). URIs are left to the workers."""
-    if _is_uri(folder):
-        return
-    import torch
-    from safetensors import safe_open
-
-    from .config import WhisperConfig
-    from .model import Whisper
-    from .tokenizer import Tokenizer
-    from .weights import HF_PREFIX, TIED_HEAD, checkpoint_files
-
-    try:
-        path = Path(folder)
-        config = WhisperConfig.from_hf(path)
-        Tokenizer.from_folder(path, config.vocab_size)
-        shapes = {}
-        for file in checkpoint_files(path):
-            with safe_open(file, framework="pt") as f:
-                shapes.update({k.removeprefix(HF_PREFIX): tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-        shapes.pop(TIED_HEAD, None)
-        with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in Whisper(config).state_dict().items()}
-        if shapes != expected:
-            wrong = sorted(set(shapes) ^ set(expected)) or sorted(k for k in shapes if shapes[k] != expected[k])
-            raise ValueError(f"its weights do not match its config.json (first: {wrong[0]})")
-    except Exception as e:  # whatever the folder lacks, said in one line
-        raise BulkError(f"{role} model folder {folder!r} does not load: {e}", EXIT_MODEL) from None
-
-
-def check_output(out: str) -> None:
-    """BulkError(EXIT_OUTPUT) unless the results folder can be created and written (a probe file
-    is written and removed), so an unwritable folder fails before any transcription."""
-    try:
-        fs, root = _filesystem(out)
-        fs.create_dir(root, recursive=True)
-        probe = f"{root}/.write-probe-{uuid.uuid4().hex[:12]}"
-        with fs.open_output_stream(probe) as f:
-            f.write(b"")
-        fs.delete_file(probe)
-    except Exception as e:
-        reason = getattr(e, "strerror", None) or str(e)
-        raise BulkError(f"cannot write results to {out!r}: {reason}", EXIT_OUTPUT) from None
-
-
 def run_bulk(job: BulkJob, address: str | None = None) -> BulkSummary:
     """Transcribe every file of `job.source` not yet recorded in `job.out`; returns this run's summary.
     Raises BulkError (one line, an exit code) for a missing input, an unwritable output folder, a
@@ -405,10 +345,10 @@ def run_bulk(job: BulkJob, address: str | None = None) -> BulkSummary:
     if not inputs:
         raise BulkError(f"no audio files in {job.source!r} (looked for {', '.join(sorted(AUDIO_EXTENSIONS)[:6])}, ...)",
                         EXIT_BAD_INPUT)
-    check_output(job.out)
-    check_model_folder(job.target, "target")
-    if job.draft is not None:
-        check_model_folder(job.draft, "draft")
+    check_output(job.out, *_filesystem(job.out))
+    for folder, role in ((job.target, "target"), (job.draft, "draft")):
+        if folder is not None and not _is_uri(folder):
+            check_model_folder(folder, role)
     try:
         done = {r["path"] for r in read_results(job.out) if r["error"] is None or not job.retry_failed}
     except Exception as e:

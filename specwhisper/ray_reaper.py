@@ -4,7 +4,7 @@
 agents, workers) as the driver's descendants. A driver that exits normally shuts it down; one that
 is killed (SIGKILL, OOM killer) cannot, and the agents were seen alive a minute later. So the
 driver starts this module as a small watchdog process (`start_reaper`) that holds the read end of
-a pipe and, once a second, notes the driver's descendants that are Ray's (started after the
+a pipe and, four times a second, notes the driver's descendants that are Ray's (started after the
 watchdog, named or run from Ray). When the pipe reaches end of file (the
 driver is gone, however it died) the watchdog terminates every process it noted that still runs
 (SIGTERM, then SIGKILL after a grace period) and exits. psutil (vendored by Ray) checks each
@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL
-POLL_SECONDS = 1.0  # how often the driver's descendants are noted
+POLL_SECONDS = 0.25  # how often the driver's descendants are noted
 
 
 def start_reaper() -> subprocess.Popen:
@@ -72,6 +72,13 @@ def watch(driver_pid: int, pipe_fd: int = 0) -> list[int]:
         readable, _, _ = select.select([pipe_fd], [], [], POLL_SECONDS)
         if readable and not os.read(pipe_fd, 4096):
             break
+    for p in list(noted.values()):  # what the noted processes started since the last look
+        try:
+            if p.is_running():
+                for child in p.children(recursive=True):
+                    noted.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
     alive = [p for p in noted.values() if p.is_running()]
     for p in alive:
         try:

@@ -1,6 +1,7 @@
 """`specwhisper bulk` under faults (issue #28): errors the user can act on are one line with an
-exit code that says what happened (no traceback, no Ray started), and a driver killed with
-SIGKILL leaves none of its Ray processes behind, after which a rerun resumes the job."""
+exit code that says what happened (no traceback, no Ray started); the local cluster listens on
+loopback only; a driver killed with SIGKILL leaves none of its Ray processes behind, after which
+a rerun resumes the job."""
 from __future__ import annotations
 
 import os
@@ -102,8 +103,15 @@ def test_killed_driver_leaves_no_ray_processes_and_the_job_resumes(tmp_path, aud
             if "raylet" in names and "gcs_server" in names and any(n.startswith("ray::") for n in names):
                 break
             time.sleep(0.5)
-        time.sleep(2.0)  # let the watchdog note them (it looks once a second)
+        time.sleep(2.0)  # let the watchdog note them (it looks four times a second)
         seen = ray_descendants(process)
+        listening = []
+        for p in [process, *seen]:
+            try:
+                listening += [(p.name(), c.laddr.ip) for c in p.net_connections(kind="inet") if c.status == "LISTEN"]
+            except psutil.Error:
+                pass
+        assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in listening), listening
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
         _, alive = psutil.wait_procs(seen, timeout=30)
