@@ -100,8 +100,8 @@ class CommonFields:
 def common_fields(
     file: Annotated[UploadFile, File(description="audio in any format FFmpeg decodes (wav, mp3, flac, m4a, ...)")],
     model: Annotated[str | None, Form(description="accepted and ignored: the served model answers")] = None,
-    prompt: Annotated[str | None, Form(description="text to condition on; 400 until the engine takes "
-                                                   "initial_prompt")] = None,
+    prompt: Annotated[str | None, Form(description="text the first window is conditioned on (openai-whisper's "
+                                                   "initial_prompt; decodes long-form)")] = None,
     response_format: Annotated[ResponseFormat, Form()] = "json",
     temperature: Annotated[float | None, Form(ge=0.0, le=1.0, description=TEMPERATURE_DEFAULT)] = None,
     top_p: Annotated[float, Form(gt=0.0, le=1.0, description="nucleus mass when sampling (extension)")] = 1.0,
@@ -148,8 +148,8 @@ class TranscriptionService:
             options.update(temperature=fields.temperature, top_p=fields.top_p, seed=fields.seed,
                            num_draft_tokens=fields.num_draft_tokens)
             if fields.prompt:
-                if not self.accepts_prompt:
-                    raise ApiError(400, "prompt is not supported yet (the engine has no initial_prompt)",
+                if not self.accepts_prompt:  # an embedded engine of another kind
+                    raise ApiError(400, "prompt is not supported by this engine (it has no initial_prompt)",
                                    param="prompt", code="unsupported_parameter")
                 options["initial_prompt"] = fields.prompt
         return options
