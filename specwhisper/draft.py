@@ -232,6 +232,7 @@ class DraftLength:
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
         self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
         self.calibrated = False
+        self.plain_timed = False  # plain_pass comes from an iteration (not only the calibration)
         self.plain_pass = None  # running seconds of one plain pass (k = 0)
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
@@ -279,6 +280,17 @@ class DraftLength:
         sample = min(max(sample, estimate / 2), estimate * 2)
         return self.DECAY * estimate + (1 - self.DECAY) * sample
 
+    def _new_plain_pass(self, seconds: float) -> None:
+        """A plain pass timed in an iteration. The first replaces the calibration's, which timed
+        the plain greedy path (screened head): rows that need full logits (long-form: timestamp
+        rules, log-probabilities) pass about twice as slowly on a CPU. Costs kept in plain passes
+        (the draft step c, its setup) keep their seconds: they are rescaled with the unit."""
+        new = seconds if not self.plain_timed or self.plain_pass is None else self._follow(self.plain_pass, seconds)
+        if self.plain_pass:
+            self.cost_ratio *= self.plain_pass / new
+            self.setup *= self.plain_pass / new
+        self.plain_pass, self.plain_timed = new, True
+
     def charge(self, seconds: float, rows: int = 1) -> None:
         """A draft setup of `seconds` for `rows` windows (their drafts started)."""
         if self.fixed is None and self.plain_pass:
@@ -314,8 +326,7 @@ class DraftLength:
         if k == 0:
             self.plain = self._track(self.plain, tokens, seconds)
             if verify_seconds > 0:
-                self.plain_pass = verify_seconds if self.plain_pass is None else \
-                    self._follow(self.plain_pass, verify_seconds)
+                self._new_plain_pass(verify_seconds)
             if self.pays():
                 self.k = self.best()[0]
             elif self.best(always_right=True)[1] > self.MARGIN:
