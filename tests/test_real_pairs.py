@@ -124,6 +124,8 @@ def test_moved_row_keeps_its_pending_draft(mels):
     It must still draft (and decode exactly the target's tokens)."""
     target = real_folder("base")
     engine = Engine(target, draft=real_folder("tiny.en"), max_batch=2, background=False)
+    # costs as on a machine where this draft pays (whether it pays on this CPU is not the question)
+    engine.drafter.length.calibrate(plain_seconds=0.01, verify_ratio=[1.0] * 10, cost_ratio=0.1, setup_seconds=0.0)
     short = engine.submit(mels[0], language="en", max_new_tokens=2)
     long = engine.submit(mels[1], language="en", max_new_tokens=24)
     engine.step()  # admission, then the adaptive k's plain step: `short` ends, `long` moves to slot 0
