@@ -178,16 +178,16 @@ def test_word_timestamps_through_the_openai_client(url, expected):
     client, want = openai_client(url), expected(word_timestamps=True, temperature=0.0)
     want_words = [(w.word.strip(), w.start, w.end) for s in want.segments for w in s.words]
     assert want_words and [(w["word"], w["start"], w["end"]) for w in to_verbose_json(want)["words"]] == want_words
-    words_only = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en",
+    words_only = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en", temperature=0.0,
                                                     response_format="verbose_json", timestamp_granularities=["word"])
     assert [(w.word, w.start, w.end) for w in words_only.words] == want_words
     assert words_only.segments is None and words_only.text == want.text
-    both = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en",
+    both = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en", temperature=0.0,
                                               response_format="verbose_json",
                                               timestamp_granularities=["word", "segment"])
     assert [(w.word, w.start, w.end) for w in both.words] == want_words
     assert [(s.text, s.start, s.end) for s in both.segments] == [(s.text, s.start, s.end) for s in want.segments]
-    segments_only = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en",
+    segments_only = client.audio.transcriptions.create(file=SAMPLES[0].open("rb"), model="whisper-1", language="en", temperature=0.0,
                                                        response_format="verbose_json",
                                                        timestamp_granularities=["segment"])
     assert segments_only.words is None and segments_only.segments

@@ -215,9 +215,11 @@ def fault_phases(base: str, two_hours: bytes, minutes: bytes) -> None:
     with ThreadPoolExecutor(6) as pool:
         statuses = list(pool.map(lambda _: post(base, speech, data={"language": "en"}).status_code, range(6)))
     assert set(statuses) <= {200, 429} and 200 in statuses
-    for _ in range(3):
-        with pytest.raises(httpx.ReadTimeout):
-            post(base, speech, data={"language": "en"}, timeout=httpx.Timeout(TIMEOUT, read=0.05))
+    for _ in range(3):  # clients that give up mid-request (a quick machine may answer first: fine)
+        try:
+            post(base, speech, data={"language": "en"}, timeout=httpx.Timeout(TIMEOUT, read=0.01))
+        except httpx.ReadTimeout:
+            pass
     host, port = base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
