@@ -129,7 +129,7 @@ def test_batched_alignment_equals_one_window_at_a_time(multilingual):
 
 def test_word_options_are_checked(multilingual, tmp_path):
     engine = Engine(multilingual, background=False)
-    audio = np.zeros(16000 * 2, np.float32)
+    audio = (0.1 * np.random.default_rng(0).standard_normal(16000 * 2)).astype(np.float32)  # not silent: decoded
     with pytest.raises(ValueError, match="needs word_timestamps"):
         engine.transcribe(audio, language="en", hallucination_silence_threshold=1.0)
     with pytest.raises(ValueError, match="needs timestamps"):
