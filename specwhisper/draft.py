@@ -233,6 +233,7 @@ class DraftLength:
         self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
         self.calibrated = False
         self.plain_timed = False  # plain_pass comes from an iteration (not only the calibration)
+        self.cost_floor = 0.0  # least c (1.0 for a draft as large as the target)
         self.plain_pass = None  # running seconds of one plain pass (k = 0)
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
@@ -250,6 +251,7 @@ class DraftLength:
         self.plain_pass = plain_seconds if self.plain_pass is None else self.plain_pass
         self.verify_ratio = list(verify_ratio)
         self.cost_ratio = cost_ratio
+        self.cost_floor = 1.0 if cost_ratio >= 1.0 else 0.0
         self.setup = max(self.setup, setup_seconds / plain_seconds)
         self.calibrated = True
 
@@ -287,7 +289,8 @@ class DraftLength:
         (the draft step c, its setup) keep their seconds: they are rescaled with the unit."""
         new = seconds if not self.plain_timed or self.plain_pass is None else self._follow(self.plain_pass, seconds)
         if self.plain_pass:
-            self.cost_ratio *= self.plain_pass / new
+            # a draft as large as the target (calibrated at c >= 1) stays no cheaper than a pass
+            self.cost_ratio = max(self.cost_ratio * self.plain_pass / new, self.cost_floor)
             self.setup *= self.plain_pass / new
         self.plain_pass, self.plain_timed = new, True
 
