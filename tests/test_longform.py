@@ -182,13 +182,9 @@ def test_reference_window_decoder_runs_a_random_model(english):
 
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory):
-    from whisper_ref import flite_recording
+    from whisper_ref import flite_audio_or_skip
 
-    try:
-        audio, _ = flite_recording(tmp_path_factory.mktemp("longform"), 62.0, seed=3)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    return audio
+    return flite_audio_or_skip(tmp_path_factory, "longform", 62.0, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -45,13 +45,9 @@ def base_engine():
 @pytest.fixture(scope="module")
 def short_recording(tmp_path_factory):
     """≈ 32 s: two windows, for the variants."""
-    from whisper_ref import flite_recording
+    from whisper_ref import flite_audio_or_skip
 
-    try:
-        audio, _ = flite_recording(tmp_path_factory.mktemp("words"), 31.0, seed=5)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    return audio
+    return flite_audio_or_skip(tmp_path_factory, "words", 31.0, seed=5)
 
 
 @pytest.mark.real

@@ -99,3 +99,14 @@ def flite_recording(folder: Path, seconds: float, seed: int = 0, sentences=SENTE
         total += (len(speech) + len(pause)) / 16000
         i += 1
     return np.concatenate(pieces), " ".join(texts)
+
+
+def flite_audio_or_skip(tmp_path_factory, name: str, seconds: float, seed: int) -> np.ndarray:
+    """`flite_recording`'s audio in a fresh temporary folder; the test skips where flite is missing."""
+    import pytest
+
+    try:
+        audio, _ = flite_recording(tmp_path_factory.mktemp(name), seconds, seed=seed)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return audio
