@@ -7,8 +7,8 @@ from __future__ import annotations
 from .audio import is_silent
 from .config import DecodeOptions
 from .results import Segment, Transcription
-from .runner import SeqOutput, SeqSpec
 from .scheduler import Window
+from .slots import SeqOutput, SeqSpec
 
 
 class ShortJob:

@@ -17,7 +17,8 @@ from typing import Callable, Protocol
 import torch
 
 from .results import Stats, Transcription
-from .runner import Progress, SeqOutput, SeqSpec
+from .runner import Progress
+from .slots import SeqOutput, SeqSpec
 
 
 @dataclass

@@ -77,16 +77,16 @@ class Speculation:
             draft_seconds, verify_seconds = self.clock.intervals()
             self.rule.update(self.k, progress.accepted, progress.done, draft_seconds=draft_seconds,
                              verify_seconds=verify_seconds)
-            options = self.runner.host_options
-            for s in (s for s, done in enumerate(progress.done) if done and options[s].use_draft):
-                self.rule.window_done(progress.n_tokens[s] - len(options[s].prompt))
+            hosts = self.runner.hosts
+            for s in (s for s, done in enumerate(progress.done) if done and hosts[s].spec.use_draft):
+                self.rule.window_done(progress.n_tokens[s] - len(hosts[s].spec.prompt))
 
     def choose_k(self, B: int) -> tuple[int, DraftLength | None]:
         """The largest k a row asks for (rows with a smaller fixed k propose fewer); adaptive rows
         follow the drafter's running estimate."""
         if self.drafter is None:
             return 0, None
-        specs = [r for r in self.runner.host_options[:B] if r is not None and r.use_draft]
+        specs = [sp for sp in self.runner.specs(B) if sp.use_draft]
         if not specs:
             return 0, None
         adaptive = any(sp.num_draft_tokens is None for sp in specs)
@@ -101,5 +101,5 @@ class Speculation:
             probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
                                  and self.runner.drafts_pending(B))
             k = max(k, 0 if probe_needs_setup else rule.k)
-        room = max(self.runner.host_budget[s] - self.runner.host_n[s] for s in range(B)) - 1
+        room = max(h.budget - h.n for h in self.runner.hosts[:B]) - 1
         return max(0, min(k, MAX_DRAFT_TOKENS, room)), rule

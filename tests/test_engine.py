@@ -93,10 +93,10 @@ def test_caches_are_reused_across_calls(multilingual):
     engine = Engine(multilingual)
     mel = speech_mels(80, 1)[0]
     engine.transcribe(mel, language="en", max_new_tokens=8)
-    before = [t.data_ptr() for t in engine.runner.cache.buffers()] + [engine.runner.tokens.data_ptr()]
+    before = [t.data_ptr() for t in engine.runner.cache.buffers()] + [engine.runner.state.tokens.data_ptr()]
     for _ in range(50):
         engine.transcribe(mel, language="en", max_new_tokens=8)
-    after = [t.data_ptr() for t in engine.runner.cache.buffers()] + [engine.runner.tokens.data_ptr()]
+    after = [t.data_ptr() for t in engine.runner.cache.buffers()] + [engine.runner.state.tokens.data_ptr()]
     assert before == after
 
 

@@ -60,7 +60,7 @@ def test_padded_path_equals_unpadded(target, drafts, mels, draft, sampled):
         results.append(run_staggered(engine, mels, **kwargs))
         if graphs:
             keys = engine.runner.graphs._seen
-            assert engine.runner.tokens.shape[0] == 4  # 3 slots padded to a bucket of 4
+            assert engine.runner.state.tokens.shape[0] == 4  # 3 slots padded to a bucket of 4
     assert results[0] == results[1]
     assert all(r[1] > 0 for r in results[0])  # every row drafted
     if draft == "noisy":  # (the random English-only draft is almost never right)

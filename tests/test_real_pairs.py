@@ -130,7 +130,7 @@ def test_moved_row_keeps_its_pending_draft(mels):
     long = engine.submit(mels[1], language="en", max_new_tokens=24)
     engine.step()  # admission, then the adaptive k's plain step: `short` ends, `long` moves to slot 0
     assert short.done() and len(engine.scheduler.running) == 1
-    assert engine.runner.draft_pending[0] is not None
+    assert engine.runner.hosts[0].draft_pending is not None
     engine.run_until([long])
     assert long.result().stats.draft_passes > 0
     expected = Engine(target, background=False).transcribe(mels[1], language="en", max_new_tokens=24)
