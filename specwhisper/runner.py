@@ -37,22 +37,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import ops, rules, sampling
+from . import rules, sampling
+from .choosing import Modes, Rows, choose_tokens
 from .constants import MAX_DRAFT_TOKENS as MAX_K, NO_PROPOSAL
 from .rejection import accept_by_rejection
 from .draft import Drafter, greedy_tokens
 from .graphs import StepGraphs
 from .model import DecoderCache
 from .slots import HostSlot, SeqOutput, SeqSpec, SlotState
-
-
-class Modes(NamedTuple):
-    """Which token-choosing paths an iteration needs (from the host's copy of the rows' options)."""
-
-    any_plain: bool  # a plain-greedy row: the screened head
-    any_full: bool  # a row that needs full logits (sampled, timestamps, log-probabilities)
-    any_timestamps: bool  # a row under the timestamp rules
-    any_sampled: bool  # a row sampled at a temperature above 0
 
 
 class Progress(NamedTuple):
@@ -260,53 +252,21 @@ class Runner:
         when no row is full).
 
         A row's choice depends only on its own options, never on its batch neighbours: plain
-        greedy rows use the exact screened head; the others the full logits under Whisper's
-        rules, then the seeded race (temperature 0: the argmax). `first`: the pass may predict a
-        row's first generated token (admission); a verify pass never does (each row's first token
-        is chosen at admission), so its banned tokens are the same [V] at every position (no
-        [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on tiny data)."""
-        B, T, _ = hidden.shape
-        predicted = index[:, None] + 1 + torch.arange(T, device=self.device)  # [B, T]
-        at_begin = predicted == self.state.prompt_len[slots][:, None]
-        banned = self.suppress | (at_begin[..., None] & self.begin_suppress) if first else self.suppress
-        logits = None
+        greedy rows use the exact screened head; the others `choose_tokens` (the full logits
+        under Whisper's rules, then the seeded race; temperature 0: the argmax). `first`: the
+        pass may predict a row's first generated token (admission); a verify pass never does
+        (each row's first token is chosen at admission), so its banned tokens are the same [V] at
+        every position (no [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on
+        tiny data)."""
+        T = hidden.shape[1]
+        rows = Rows(self.state, slots, index[:, None] + 1 + torch.arange(T, device=self.device), proposals)
+        banned = self.suppress | (rows.at_begin()[..., None] & self.begin_suppress) if first else self.suppress
         choice = greedy_tokens(self.target, self.target.head, hidden, banned) if modes.any_plain else None
-        if modes.any_full:
-            raw = self.target.model.decoder.logits(hidden).float()
-            logits = raw.masked_fill(banned, -float("inf"))
-            rows = slots[:, None].expand(B, T).reshape(-1)
-            if modes.any_timestamps:
-                ruled = self.timestamp_rules(raw, slots, predicted, at_begin, proposals)
-                logits = torch.where(self.state.timestamps[slots][:, None, None], ruled, logits)
-            raced = sampling_race(logits.reshape(B * T, -1), self.state.temperature[rows], self.state.top_p[rows],
-                                  self.state.seed[rows], predicted.reshape(-1), None).view(B, T)
-            choice = raced if choice is None else torch.where(self.state.plain[slots][:, None], choice, raced)
-        return choice, logits
-
-    def timestamp_rules(self, logits, slots, predicted, at_begin, proposals) -> torch.Tensor:
-        """Whisper's timestamp rules at every position [B, T] of a pass, each position given its
-        own prefix: the row's tokens, then the proposals before it. Returns new logits."""
-        B, T, V = logits.shape
-        seq = self.state.tokens[slots]  # [B, L] (a copy)
-        if proposals is not None and proposals.shape[1]:
-            k = proposals.shape[1]
-            at = self.state.n_tokens[slots][:, None] + torch.arange(k, device=self.device)
-            seq.scatter_(1, at, proposals.clamp(min=0))
-        tb = self.rule_tables.timestamp_begin
-        start = self.state.prompt_len[slots][:, None]
-        j = torch.arange(seq.shape[1], device=self.device)
-        stamps = torch.where((seq >= tb) & (j[None] >= start), seq, -1).cummax(dim=1).values
-        before = (predicted - 1).clamp(min=0)
-        n_sampled = predicted - start
-        last = seq.gather(1, before)
-        penultimate = seq.gather(1, (predicted - 2).clamp(min=0))
-        last_timestamp = torch.where(n_sampled > 0, stamps.gather(1, before), -1)
-        rows = slots[:, None].expand(B, T)
-        flat = lambda t: t.reshape(B * T)  # noqa: E731
-        ruled = rules.apply_rules(logits.reshape(B * T, V).clone(), self.rule_tables, flat(at_begin),
-                                  flat(self.state.timestamps[rows]), flat(n_sampled), flat(last), flat(penultimate),
-                                  flat(last_timestamp), flat(self.state.max_initial_ts[rows]))
-        return ruled.view(B, T, V)
+        if not modes.any_full:
+            return choice, None
+        raced, logits = choose_tokens(self.target.model.decoder.logits, hidden, banned, rows, self.rule_tables,
+                                      modes.any_timestamps)
+        return raced if choice is None else torch.where(self.state.plain[slots][:, None], choice, raced), logits
 
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
@@ -382,24 +342,20 @@ class Runner:
         far (another vocabulary only suppresses: its proposals are verified all the same)."""
         d = self.drafter
         banned = d.draft.suppress
-        if not modes.any_sampled and not (modes.any_timestamps and d.vocab.identity):
+        follows_rules = modes.any_timestamps and d.vocab.identity
+        if not modes.any_sampled and not follows_rules:
             # every row greedy and no rules to follow (a plain row, or a long-form row at
             # temperature 0 drafted by another vocabulary, which only suppresses): the race at
             # temperature 0 is the argmax, which the draft's screened head gives without
             # computing its full logits (tiny.en's: 80 MB of float32 a step)
             return d.greedy(hidden, banned)[:, 0]
-        raw = d.draft.model.decoder.logits(hidden[:, 0]).float()
-        logits = raw.masked_fill(banned, -float("inf"))
-        if modes.any_timestamps and d.vocab.identity:
-            predicted = (index + 1)[:, None]
-            at_begin = predicted == self.state.prompt_len[slots][:, None]
-            prefix = torch.stack(raws, dim=1) if raws else None
-            ruled = self.timestamp_rules(raw[:, None], slots, predicted, at_begin, prefix)[:, 0]
-            logits = torch.where(self.state.timestamps[slots][:, None], ruled, logits)
+        proposed = torch.stack(raws, dim=1) if raws else None
+        rows = Rows(self.state, slots, (index + 1)[:, None], proposed)
+        choice, logits = choose_tokens(d.draft.model.decoder.logits, hidden, banned, rows, self.rule_tables,
+                                       follows_rules, self.noise_ids)
         if self.sampling_rule == "rejection":
-            self.state.draft_logits[:hidden.shape[0], len(raws)] = logits
-        return sampling_race(logits, self.state.temperature[slots], self.state.top_p[slots], self.state.seed[slots],
-                             index + 1, self.noise_ids)
+            self.state.draft_logits[:hidden.shape[0], len(raws)] = logits[:, 0]
+        return choice[:, 0]
 
     def catch_up(self, B: int) -> None:
         """Feed every row's uncached draft tokens (after iterations without drafting)."""
@@ -548,8 +504,3 @@ class Runner:
 def j_range(n: int, device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
-
-def sampling_race(logits, temperature, top_p, seed, position, noise_ids):
-    """Per row: the argmax at temperature 0, else the winner of the exponential race
-    argmax(p / E) with E keyed by (seed, position, token id) (`ops.race_sample`)."""
-    return ops.race_sample(logits, temperature, top_p, seed, position, noise_ids)

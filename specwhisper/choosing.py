@@ -1,0 +1,98 @@
+"""Choosing tokens under Whisper's rules, one function for the target and the draft alike.
+
+`choose_tokens`: a model's float32 logits from decoder hidden states, its banned tokens masked
+(suppression), Whisper's timestamp rules for the rows that want them (each position given its own
+prefix: the row's tokens, then the tokens proposed before that position), then each row's seeded
+exponential race (`ops.race_sample`; its argmax at temperature 0). The runner's target path
+(`Runner.choose`: admission and the verify pass) and its draft path (`Runner.draft_choose`: each
+proposal) both call it; each keeps only what differs: the target's exact screened head for plain
+greedy rows, the draft's screened greedy head when no row samples or follows rules, the rejection
+mode's copy of the draft's logits.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import ops, rules
+from .slots import SlotState
+
+
+class Modes(NamedTuple):
+    """Which token-choosing paths an iteration needs (from the host's copy of the rows' options)."""
+
+    any_plain: bool  # a plain-greedy row: the screened head
+    any_full: bool  # a row that needs full logits (sampled, timestamps, log-probabilities)
+    any_timestamps: bool  # a row under the timestamp rules
+    any_sampled: bool  # a row sampled at a temperature above 0
+
+
+@dataclass
+class Rows:
+    """The rows of one pass and what the rules and the race need to know about its positions:
+    the slots' state (tokens, lengths, per-row options), which slot each row is, which token
+    index each position predicts, and the tokens proposed after each row's own tokens (they
+    precede the later positions of the pass)."""
+
+    state: SlotState
+    slots: torch.Tensor  # [B] the slot of each row
+    predicted: torch.Tensor  # [B, T] index, in the row's target tokens, of the token position t predicts
+    proposed: torch.Tensor | None = None  # [B, j] tokens at indices n_tokens.. (None: none)
+
+    def at_begin(self) -> torch.Tensor:
+        """[B, T] bool: the position predicts the row's first generated token."""
+        return self.predicted == self.state.prompt_len[self.slots][:, None]
+
+
+def choose_tokens(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                  banned: torch.Tensor, rows: Rows, tables: rules.RuleTables, timestamps: bool,
+                  noise_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B, T] from hidden [B, T, d] -> (choices [B, T], the logits [B, T, V] they were
+    raced from). `logits_fn`: the model's head (hidden -> logits); `banned`: [V] or [B, T, V]
+    bool; `timestamps`: apply the timestamp rules to the rows that want them (other rows are only
+    suppressed); `noise_ids`: the race's noise per vocabulary column (None: the column's id; a
+    draft with another vocabulary races its columns with their target ids' noise)."""
+    B, T, _ = hidden.shape
+    raw = logits_fn(hidden).float()
+    logits = raw.masked_fill(banned, -float("inf"))
+    st, slots = rows.state, rows.slots
+    if timestamps:
+        ruled = timestamp_rules(raw, rows, tables)
+        logits = torch.where(st.timestamps[slots][:, None, None], ruled, logits)
+    flat = slots[:, None].expand(B, T).reshape(-1)
+    choices = ops.race_sample(logits.reshape(B * T, -1), st.temperature[flat], st.top_p[flat], st.seed[flat],
+                              rows.predicted.reshape(-1), noise_ids)
+    return choices.view(B, T), logits
+
+
+def timestamp_rules(logits: torch.Tensor, rows: Rows, tables: rules.RuleTables) -> torch.Tensor:
+    """Whisper's timestamp rules at every position [B, T] of a pass, each position given its own
+    prefix: the row's tokens, then the proposed tokens before it. Returns new logits [B, T, V]."""
+    B, T, V = logits.shape
+    st, slots, predicted = rows.state, rows.slots, rows.predicted
+    device = logits.device
+    seq = st.tokens[slots]  # [B, L] (a copy)
+    if rows.proposed is not None and rows.proposed.shape[1]:
+        k = rows.proposed.shape[1]
+        at = st.n_tokens[slots][:, None] + torch.arange(k, device=device)
+        seq.scatter_(1, at, rows.proposed.clamp(min=0))
+    tb = tables.timestamp_begin
+    start = st.prompt_len[slots][:, None]
+    j = torch.arange(seq.shape[1], device=device)
+    stamps = torch.where((seq >= tb) & (j[None] >= start), seq, -1).cummax(dim=1).values
+    before = (predicted - 1).clamp(min=0)
+    n_sampled = predicted - start
+    last = seq.gather(1, before)
+    penultimate = seq.gather(1, (predicted - 2).clamp(min=0))
+    last_timestamp = torch.where(n_sampled > 0, stamps.gather(1, before), -1)
+    flat_slots = slots[:, None].expand(B, T)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(B * T)
+    ruled = rules.apply_rules(logits.reshape(B * T, V).clone(), tables, flat(rows.at_begin()),
+                              flat(st.timestamps[flat_slots]), flat(n_sampled), flat(last), flat(penultimate),
+                              flat(last_timestamp), flat(st.max_initial_ts[flat_slots]))
+    return ruled.view(B, T, V)
