@@ -1,6 +1,7 @@
 """Packaging glue that pyproject.toml cannot express.
 
-- `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`.
+- `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`; `specwhisper/backends/`
+  (the device backends) is listed beside it.
 - `csrc/` ships as package data (`specwhisper.csrc`); the C++ extensions `specwhisper_C`
   (sampling ops, specwhisper/ops.py) and `specwhisper_decode_ops` (decoder-step ops,
   specwhisper/cpu_ops.py) are built just in time with ninja on first use, from the checkout's
@@ -10,7 +11,7 @@
 from setuptools import setup
 
 setup(
-    packages=["specwhisper", "specwhisper.kernels", "specwhisper.csrc", "specwhisper.samples"],
+    packages=["specwhisper", "specwhisper.backends", "specwhisper.kernels", "specwhisper.csrc", "specwhisper.samples"],
     package_dir={
         "specwhisper": "specwhisper",
         "specwhisper.kernels": "kernels",

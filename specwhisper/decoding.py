@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_ops, sampling
+from . import sampling
+from .backends import Backend, backend_for
 from .config import WhisperConfig, read_json
 from .head import ScreenedHead
 from .model import Whisper
 from .tokenizer import Tokenizer
-from .weights import load_whisper
 
 
 @dataclass
@@ -26,6 +26,7 @@ class LoadedModel:
     suppress: torch.Tensor  # [V] bool: suppressed at every step
     begin_suppress: torch.Tensor  # [V] bool: suppressed at the first generated position
     head: ScreenedHead | None  # exact greedy argmax read through an int8 copy (float32 models)
+    backend: Backend  # the device's decisions (backends/)
 
     @property
     def config(self) -> WhisperConfig:
@@ -33,32 +34,18 @@ class LoadedModel:
 
     @classmethod
     def load(cls, path, device, dtype) -> "LoadedModel":
+        backend = backend_for(device)
         path = resolve_model_path(path)
-        cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
-        model = load_whisper(path, device=device, dtype=torch.float32 if cpu_bf16 else dtype)
-        if cpu_bf16:
-            # the decoder (bandwidth-bound) in bfloat16. The encoder (compute-bound) runs in
-            # bfloat16 on a CPU with bfloat16 arithmetic (3x faster than float32 here); elsewhere
-            # torch's bfloat16 GEMM is ~7x slower than float32, so it stays float32 and returns
-            # bfloat16 features. Decoding stays exact relative to this model.
-            model.decoder.to(torch.bfloat16)
-            model.fuse()
-            if cpu_ops.native_bf16():
-                model.encoder.to(torch.bfloat16)
-                model.decoder.native_bf16 = True  # cross K/V from torch's bfloat16 GEMM too
-            else:
-                model.encoder.features_dtype = torch.bfloat16
+        model = backend.load_whisper(path, dtype)
         tok = Tokenizer.from_folder(path, model.config.vocab_size)
         vocab = model.config.vocab_size
         suppress = torch.zeros(vocab, dtype=torch.bool, device=device)
         suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
-        # float32 models on the CPU: greedy reads an int8 copy of the head, exactly (see
-        # head.py); other dtypes and devices read their own head directly
-        screened = dtype == torch.float32 and torch.device(device).type == "cpu"
-        head = ScreenedHead(model.decoder.embed_tokens.weight) if screened else None
-        return cls(model, tok, path, suppress, begin, head)
+        # greedy reads an int8 copy of the head, exactly, where the backend says so (see head.py)
+        head = ScreenedHead(model.decoder.embed_tokens.weight) if backend.screens_head(dtype) else None
+        return cls(model, tok, path, suppress, begin, head, backend)
 
     @functools.cached_property
     def alignment_heads(self) -> list[tuple[int, int]]:

@@ -41,7 +41,8 @@ class Drafter:
             # draft step reads are the ones the verify pass just read (in cache), and vice versa
             self.head = target.head
         if head_tokens is not None:
-            self.head = SubsetHead(draft.model.decoder.embed_tokens.weight, self.head_ids(head_tokens))
+            weight = draft.model.decoder.embed_tokens.weight
+            self.head = SubsetHead(weight, self.head_ids(head_tokens), draft.backend.screens_head(weight.dtype))
         self.draft_to_target, self.target_to_draft, self.target_to_draft_len = self._tables()
         v_target = tcfg.vocab_size
         ids = torch.arange(dcfg.vocab_size)
@@ -120,9 +121,9 @@ class Drafter:
         timings (other work on a shared machine only ever adds time). The `DraftLength.calibrate`
         arguments."""
         tdec, ddec = self.target.model.decoder, self.draft.model.decoder
-        compact = ddec.compact and dtype == torch.float32 and torch.device(device).type == "cpu"
         tcache = DecoderCache.allocate(self.target.config, 1, device, dtype)
-        dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype, torch.bfloat16 if compact else None)
+        dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype,
+                                       self.draft.backend.draft_cross_dtype(ddec, dtype))
         token = torch.full((1, 1), self.target.tokenizer.eot, device=device)
 
         def target_pass(rows):

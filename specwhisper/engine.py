@@ -20,12 +20,11 @@ import weakref
 import numpy as np
 import torch
 
-from . import cpu_ops
+from .backends import backend_for, default_device
 from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from .decoding import LoadedModel
 from .constants import FRAMES_PER_SECOND, N_FRAMES
 from .draft import Drafter
-from .graphs import StepGraphs
 from .jobs import LongformRequest, ShortJob
 from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .runner import Runner
@@ -65,10 +64,10 @@ class Engine:
         race winner (a seed gives the same tokens whatever k, batch or draft), "rejection" runs
         Leviathan et al.'s acceptance test and residual resampling (rejection.py: accepts a little
         more; tokens then depend on the draft); both sample exactly the target's distribution."""
-        self.device = torch.device(device if device is not None else
-                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device) if device is not None else default_device()
+        self.backend = backend_for(self.device)  # every device-dependent decision (backends/)
         if dtype is None:
-            dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+            dtype = self.backend.default_dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         if sampling not in ("race", "rejection"):
@@ -81,23 +80,15 @@ class Engine:
         if draft is not None:
             draft_model = LoadedModel.load(draft, self.device, dtype)
             if compact_draft is None:  # a self draft stays the target's exact copy (acceptance 1.0)
-                compact_draft = (self.device.type == "cpu" and dtype == torch.float32 and cpu_ops.available()
+                compact_draft = (self.backend.compacts_drafts(dtype)
                                  and not same_decoder(draft_model.model, self.target.model))
-            if compact_draft:
-                draft_model.model.compact_decoder()
-                draft_model.model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
             self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
-            if compact_draft and not self.drafter.shared_encoder and cpu_ops.native_bf16():
-                draft_model.model.compact_encoder()  # its own encoder pass: the largest part of its cost
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be None or a bool, got {cuda_graphs!r}")
-        # off a GPU the same steps run eagerly, rehearsing a capture's warm-up (and its rewind)
-        graphs = StepGraphs(True, self.device, rehearse=self.device.type != "cuda") if cuda_graphs else None
+            if compact_draft:
+                self.backend.compact_draft(draft_model.model, own_encoder=not self.drafter.shared_encoder)
+        graphs = self.backend.step_graphs(cuda_graphs)
         self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype, graphs, sampling)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)
-        self.speculation = Speculation(self.runner, self.drafter, self.device)
+        self.speculation = Speculation(self.runner, self.drafter, self.backend)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False  # set at interpreter exit: the loop thread returns (see _stop_loops)

@@ -131,13 +131,15 @@ class SubsetHead:
 
     A draft only proposes; the target verifies every proposal with its full head, so a draft
     that can only say the `keep` tokens stays exact and just proposes less often right. A float32
-    head on the CPU is screened like the full one (`ScreenedHead` over the kept rows: an int8
+    head where the backend screens heads (the CPU) is screened like the full one (`ScreenedHead` over the kept rows: an int8
     copy, a quarter of the bytes, the same argmax)."""
 
-    def __init__(self, weight: torch.Tensor, keep: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, keep: torch.Tensor, screen: bool = True):
+        """`screen`: read the kept rows through an int8 screen where it applies (float32 weights,
+        features a multiple of 8; the caller's backend says whether its device screens heads)."""
         self.keep = keep  # [N] vocabulary ids kept, ascending
         self.weight = weight[keep].contiguous()  # [N, d]
-        screen = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[1] % 8 == 0
+        screen = screen and weight.dtype == torch.float32 and weight.shape[1] % 8 == 0
         self.screened = ScreenedHead(self.weight) if screen else None
 
     def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:

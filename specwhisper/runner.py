@@ -42,6 +42,7 @@ from .choosing import Modes, Rows, choose_tokens
 from .constants import MAX_DRAFT_TOKENS as MAX_K, NO_PROPOSAL
 from .rejection import accept_by_rejection
 from .draft import Drafter, greedy_tokens
+from .backends import backend_for
 from .graphs import StepGraphs
 from .model import DecoderCache
 from .slots import HostSlot, SeqOutput, SeqSpec, SlotState
@@ -55,8 +56,6 @@ class Progress(NamedTuple):
     accepted: list[int]  # accepted drafts this iteration (-1: none proposed)
     draft_len: list[int]  # the draft's sequence length (n_tokens without a draft)
 
-
-ENCODER_BUCKET = 4  # windows per encoder call on the graph-shaped path (always this shape, padded)
 
 
 def bucket_size(rows: int) -> int:
@@ -75,6 +74,7 @@ class Runner:
         self.sampling_rule = sampling_rule
         self.target, self.drafter = target, drafter
         self.device, self.dtype, self.max_batch = device, dtype, max_batch
+        self.backend = backend_for(device)
         self.graphs = graphs
         cfg = target.config
         self.max_pos = cfg.max_target_positions  # 448
@@ -93,15 +93,13 @@ class Runner:
                                               tok.backend.token_to_id("<|nocaptions|>")) if i is not None), None)
         # attend only up to the longest row, feed only the uncached draft tokens (host reads;
         # CPU: measurably faster); the graph-shaped path keeps fixed shapes instead
-        self.trim = device.type == "cpu" and graphs is None
+        self.trim = self.backend.trim_width and graphs is None
         self.rule_tables = rules.RuleTables.build(target.tokenizer, cfg.vocab_size, device)
         self._host_n_max = self._host_dn_max = self.max_pos  # host mirrors, refreshed by progress()
         if drafter is not None:
             d = drafter
-            # a compact draft reads its cross-attention K/V in bfloat16 too (half the bytes per step)
-            compact = d.draft.model.decoder.compact and dtype == torch.float32 and device.type == "cpu"
             self.dcache = DecoderCache.allocate(d.draft.config, S, device, dtype,
-                                                torch.bfloat16 if compact else None)
+                                                self.backend.draft_cross_dtype(d.draft.model.decoder, dtype))
             self.caches.append(self.dcache)
             self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
             self.d2t = d.draft_to_target.to(device)
@@ -139,16 +137,14 @@ class Runner:
 
     def encode_windows(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
         """Encoder outputs [1500, d] of windows' mels [n_mels, 3000], each independent of the
-        others: a batched GEMM may round a row differently beside other rows, so the CPU path
-        encodes one window at a time (compute-bound there: batching gains nothing), and a GPU
-        always encodes ENCODER_BUCKET windows at once (zero-padded): one shape, so a window's
-        features never depend on its neighbours either."""
-        if self.device.type != "cuda":
-            return [self.encode(m[None])[0] for m in mels]
+        others: a batched GEMM may round a row differently beside other rows, so windows are
+        encoded in calls of always the backend's `encoder_batch` windows (zero-padded; one at a
+        time on the CPU, where the encoder is compute-bound and batching gains nothing)."""
+        n = self.backend.encoder_batch
         out = []
-        for i in range(0, len(mels), ENCODER_BUCKET):
-            chunk = mels[i:i + ENCODER_BUCKET]
-            batch = torch.zeros(ENCODER_BUCKET, *chunk[0].shape, device=self.device, dtype=self.dtype)
+        for i in range(0, len(mels), n):
+            chunk = mels[i:i + n]
+            batch = torch.zeros(n, *chunk[0].shape, device=self.device, dtype=self.dtype)
             for j, m in enumerate(chunk):
                 batch[j] = m
             out += list(self.encode(batch)[:len(chunk)])

@@ -4,52 +4,27 @@ adaptive k (`draft.DraftLength`), kept out of the engine's iteration.
 `begin(B)` picks k (the largest a row asks for; adaptive rows follow the drafter's running
 estimate) and starts the drafts of rows whose draft is still pending (the setup of a draft with its
 own encoder is charged to speculation); `drafted()` marks the end of the draft step;
-`end(progress)` reads the draft and verify times (wall clock on a CPU, CUDA events on a GPU, read
-after the iteration's one host read, so timing adds no sync) and updates the estimate.
+`end(progress)` reads the draft and verify times (the backend's clock: wall clock on a CPU, CUDA
+events on a GPU, read after the iteration's one host read, so timing adds no sync) and updates the
+estimate.
 """
 from __future__ import annotations
 
 import time
 
-import torch
-
+from .backends import Backend
 from .constants import MAX_DRAFT_TOKENS
 from .draft import DraftLength
-
-
-class StepClock:
-    """Times the draft and verify parts of an iteration: wall clock on CPU, CUDA events on GPU
-    (read after the iteration's one host sync, so timing adds none)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = [self._now()]
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def mark(self) -> None:
-        self.marks.append(self._now())
-
-    def intervals(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 class Speculation:
     """Per iteration: how many tokens to draft, and what the adaptive k learns from it."""
 
-    def __init__(self, runner, drafter, device: torch.device):
-        self.runner, self.drafter, self.device = runner, drafter, device
+    def __init__(self, runner, drafter, backend: Backend):
+        self.runner, self.drafter, self.backend = runner, drafter, backend
         self.k = 0
         self.rule: DraftLength | None = None  # the adaptive estimate this iteration follows
-        self.clock: StepClock | None = None
+        self.clock = None  # this iteration's (`Backend.clock`)
 
     def begin(self, B: int) -> int:
         """This iteration's k for the first B rows (0: a plain target step); starts pending drafts."""
@@ -60,10 +35,9 @@ class Speculation:
             if started and self.rule is not None and not self.drafter.shared_encoder:
                 # a draft's own encoder pass counts against speculation (a shared-encoder draft's
                 # setup, its cross K/V and prompt, is small next to what it saves in a window)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self.backend.synchronize()
                 self.rule.charge(time.perf_counter() - t0, started)
-        self.clock = StepClock(self.device)
+        self.clock = self.backend.clock()
         return self.k
 
     def drafted(self) -> None:
@@ -92,8 +66,8 @@ class Speculation:
         adaptive = any(sp.num_draft_tokens is None for sp in specs)
         k = max((sp.num_draft_tokens or 0) for sp in specs)
         rule = self.drafter.length if adaptive else None
-        if adaptive and not rule.calibrated and self.device.type == "cpu":
-            rule.calibrate(**self.drafter.measure_costs(self.device, self.runner.dtype))
+        if adaptive and not rule.calibrated and self.backend.calibrates:
+            rule.calibrate(**self.drafter.measure_costs(self.backend.device, self.runner.dtype))
         if adaptive:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32

@@ -17,6 +17,7 @@ warnings.simplefilter("error")  # a failed build warns: make it fail here
 import torch
 import specwhisper
 from specwhisper import cpu_ops, ops
+from specwhisper.backends import backend_for
 installed = pathlib.Path(specwhisper.__file__).resolve().parent
 assert "site-packages" in str(installed), installed
 assert str(installed) in str(ops.csrc_dir()), ops.csrc_dir()
@@ -27,6 +28,7 @@ with torch.inference_mode():
     assert cpu_ops.active(x)
     assert torch.allclose(cpu_ops.linear(x, w), x @ w.T, atol=1e-4)
 assert len(list((installed / "samples").glob("*.wav"))) >= 8
+assert backend_for("cpu").name == "cpu"  # the backends subpackage is installed
 print("ok", installed)
 """
 

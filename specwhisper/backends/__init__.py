@@ -1,0 +1,30 @@
+"""Device backends: every device-dependent decision of the engine in one object per device
+(`base.Backend` is the interface; `cpu.py`, `cuda.py`). `backend_for(device)` picks one."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .base import Backend
+from .cpu import CpuBackend
+from .cuda import CudaBackend
+
+__all__ = ["Backend", "CpuBackend", "CudaBackend", "backend_for", "default_device"]
+
+
+def default_device() -> torch.device:
+    """Engine(device=None): CUDA when available, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@functools.cache
+def _backend(device: torch.device) -> Backend:
+    kinds = {"cpu": CpuBackend, "cuda": CudaBackend}
+    return kinds.get(device.type, Backend)(device)
+
+
+def backend_for(device) -> Backend:
+    """The backend of `device` (a torch.device or its name); other device types get the plain
+    `Backend` (no tuning of its own)."""
+    return _backend(torch.device(device))
