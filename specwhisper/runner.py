@@ -39,9 +39,10 @@ import torch
 
 from . import rules, sampling
 from .choosing import Modes, Rows, choose_tokens
-from .constants import MAX_DRAFT_TOKENS as MAX_K, NO_PROPOSAL
+from .constants import MAX_DRAFT_TOKENS as MAX_K
 from .rejection import accept_by_rejection
 from .draft import Drafter, greedy_tokens
+from .drafting import DraftSide
 from .backends import backend_for
 from .graphs import StepGraphs
 from .model import DecoderCache
@@ -95,17 +96,12 @@ class Runner:
         # CPU: measurably faster); the graph-shaped path keeps fixed shapes instead
         self.trim = self.backend.trim_width and graphs is None
         self.rule_tables = rules.RuleTables.build(target.tokenizer, cfg.vocab_size, device)
-        self._host_n_max = self._host_dn_max = self.max_pos  # host mirrors, refreshed by progress()
+        self._host_n_max = self.max_pos  # host mirror of the longest row, refreshed by progress()
+        self.draft_side: DraftSide | None = None
         if drafter is not None:
-            d = drafter
-            self.dcache = DecoderCache.allocate(d.draft.config, S, device, dtype,
-                                                self.backend.draft_cross_dtype(d.draft.model.decoder, dtype))
-            self.caches.append(self.dcache)
-            self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
-            self.d2t = d.draft_to_target.to(device)
-            self.noise_ids = d.noise_ids.to(device)
-            self.catchup = 1 + self.t2d.shape[1]  # fixed catch-up width: the last draft + a spelling
-            self.draft_synced = True  # every row's uncached draft tokens fit the catch-up width
+            self.draft_side = DraftSide(drafter, self.state, S, device, dtype, self.backend, self.rule_tables,
+                                        sampling_rule, self.trim)
+            self.caches.append(self.draft_side.cache)
 
     # ---------------------------------------------------------------- slots
     def cache_rows(self, cache: DecoderCache, s: int) -> DecoderCache:
@@ -199,35 +195,9 @@ class Runner:
         started."""
         pending = [s for s in range(B) if self.hosts[s].draft_pending is not None]
         for s in pending:
-            self.start_draft(s, *self.hosts[s].draft_pending)
+            self.draft_side.start(s, *self.hosts[s].draft_pending)
             self.hosts[s].draft_pending = None
         return len(pending)
-
-    @torch.inference_mode()
-    def start_draft(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
-        """The draft's cross K/V (its own encoder pass unless it shares the target's), its prompt,
-        and every token the target has emitted so far, spelled in draft ids (left uncached: the
-        next draft call feeds them)."""
-        d = self.drafter
-        ddec = d.draft.model.decoder
-        rows = self.cache_rows(self.dcache, s)
-        dfeat = features[None] if d.shared_encoder else d.draft.model.encoder(draft_mel[None].to(self.device, self.dtype))
-        ddec.fill_cross(rows, dfeat)
-        dprompt = d.prompt(spec)
-        P = len(dprompt)
-        ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],
-                    rows, kv_len=P)
-        self.state.draft_passes[s] = 1
-        self.state.dtokens[s, :P] = torch.tensor(dprompt, device=self.device)
-        n = int(self.state.n_tokens[s])
-        at = P
-        for tok in self.state.tokens[s, int(self.state.prompt_len[s]):n].tolist():
-            self.state.dtokens[s, at:at + self.t2d.shape[1]] = self.t2d[tok]
-            at += int(self.t2d_len[tok])
-        self.state.dn[s], self.state.dcached[s] = at, P
-        self._host_dn_max = max(self._host_dn_max, at)  # the host's bound on draft lengths (kv_len)
-        self.state.draft_on[s] = True
-        self.draft_synced = False  # more than the catch-up width may be uncached
 
     # ---------------------------------------------------------------- choosing tokens
     def specs(self, B: int) -> list[SeqSpec]:
@@ -267,101 +237,19 @@ class Runner:
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
     def draft(self, B: int, k: int, modes: Modes) -> None:
-        """k proposals per row into `self.state.proposals[:B, :k]`, in target ids (-1: no usable proposal
-        from there on)."""
-        if not self.draft_synced:
-            self.catch_up(B)
+        """k proposals per row into `state.proposals[:B, :k]`, in target ids (-1: no usable proposal
+        from there on): `DraftSide.propose`, eagerly over the live rows or graph-shaped."""
+        side = self.draft_side
+        if not side.synced:
+            side.catch_up(B)
         if self.graphs is None:
             # the widest row's uncached tokens (a host read costs nothing on a CPU): a draft with
             # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
             # drafting base), almost always 1 or 2 tokens are uncached
-            self.draft_step(B, k, modes, self.uncached_width(B) if self.trim else self.catchup)
+            side.propose(B, k, modes, side.uncached_width(B) if self.trim else side.catchup)
             return
         R = self.pad_rows(B)
-        self.graphs.run(("draft", R, k, modes), lambda: self.draft_step(R, k, modes, self.catchup), self.state.rewind)
-
-    def draft_step(self, B: int, k: int, modes: Modes, width: int) -> torch.Tensor:
-        """`draft` over the first B slots, feeding `width` draft positions first (graph-safe when
-        `self.trim` is off) -> the proposals [B, k]."""
-        d = self.drafter
-        ddec = d.draft.model.decoder
-        slots = torch.arange(B, device=self.device)
-        dn = self.state.dn[:B]
-        src = self.uncached_positions(B, width)  # [B, width]
-        feed = self.state.dtokens[:B].gather(1, src)
-        kv_len = min(int(self._host_dn_max) + k + 1, self.max_pos + 1) if self.trim else None
-        hidden = ddec.hidden(feed, src, self.dcache_view(B), kv_len=kv_len)[:, -1:]
-        raws = []
-        for step in range(k):
-            x = self.draft_choose(hidden, slots, self.state.n_tokens[:B] - 1 + step, modes, raws)  # [B]
-            raws.append(x)
-            if step + 1 < k:
-                pos = (dn + step)[:, None]
-                hidden = ddec.hidden(x[:, None], pos, self.dcache_view(B), kv_len=kv_len)
-        self.state.draft_passes[:B] += k * self.state.draft_on[:B].long()
-        raw = torch.stack(raws, dim=1)  # [B, k] draft ids
-        self.state.raw[:B, :k] = raw
-        self.state.dcached[:B] = dn + k - 1
-        mapped = self.d2t[raw]
-        usable = (mapped >= 0) & self.state.draft_on[:B, None] & (dn[:, None] + k <= self.max_pos)
-        # a row with a fixed smaller k proposes only that many
-        limit = torch.where(self.state.row_k[:B] > 0, self.state.row_k[:B], k)
-        usable &= j_range(k, self.device)[None] < limit[:, None]
-        usable = usable.long().cumprod(dim=1).bool()
-        self.state.proposals[:B, :k] = torch.where(usable, mapped, NO_PROPOSAL)
-        return self.state.proposals[:B, :k]
-
-    def uncached_positions(self, B: int, width: int) -> torch.Tensor:
-        """Draft positions [B, width] to feed: each row's uncached tokens, right-aligned; shorter
-        rows repeat their first uncached position on the left (rewriting one slot with the same
-        values), and a row with nothing uncached re-feeds its last token, whose output predicts
-        the next one."""
-        dn, start = self.state.dn[:B], self.uncached_start(B)
-        j = torch.arange(width, device=self.device)
-        return start[:, None] + (j[None] - (width - (dn - start)[:, None])).clamp(min=0)
-
-    def uncached_start(self, B: int) -> torch.Tensor:
-        """Each row's first draft position to feed [B] (a row without a draft, dn = 0, re-feeds slot 0)."""
-        return torch.minimum(self.state.dcached[:B], self.state.dn[:B] - 1).clamp(min=0)
-
-    def uncached_width(self, B: int) -> int:
-        """The widest row's number of positions to feed (a host read; at least 1)."""
-        return max(1, int((self.state.dn[:B] - self.uncached_start(B)).max()))
-
-    def dcache_view(self, B: int) -> DecoderCache:
-        return DecoderCache(*(t[:, :B] for t in self.dcache.buffers()))
-
-    def draft_choose(self, hidden, slots, index, modes, raws) -> torch.Tensor:
-        """The draft's proposal [B] from hidden [B, 1, d]: its greedy argmax, or its race winner
-        under the target's noise (keyed by target ids) for sampled rows. A draft with the
-        target's vocabulary follows the timestamp rules too, given its own proposals `raws` so
-        far (another vocabulary only suppresses: its proposals are verified all the same)."""
-        d = self.drafter
-        banned = d.draft.suppress
-        follows_rules = modes.any_timestamps and d.vocab.identity
-        if not modes.any_sampled and not follows_rules:
-            # every row greedy and no rules to follow (a plain row, or a long-form row at
-            # temperature 0 drafted by another vocabulary, which only suppresses): the race at
-            # temperature 0 is the argmax, which the draft's screened head gives without
-            # computing its full logits (tiny.en's: 80 MB of float32 a step)
-            return d.greedy(hidden, banned)[:, 0]
-        proposed = torch.stack(raws, dim=1) if raws else None
-        rows = Rows(self.state, slots, (index + 1)[:, None], proposed)
-        choice, logits = choose_tokens(d.draft.model.decoder.logits, hidden, banned, rows, self.rule_tables,
-                                       follows_rules, self.noise_ids)
-        if self.sampling_rule == "rejection":
-            self.state.draft_logits[:hidden.shape[0], len(raws)] = logits[:, 0]
-        return choice[:, 0]
-
-    def catch_up(self, B: int) -> None:
-        """Feed every row's uncached draft tokens (after iterations without drafting)."""
-        ddec = self.drafter.draft.model.decoder
-        dn, dc = self.state.dn[:B], self.state.dcached[:B]
-        src = self.uncached_positions(B, self.uncached_width(B))
-        ddec.hidden(self.state.dtokens[:B].gather(1, src), src, self.dcache_view(B))
-        self.state.dcached[:B] = torch.maximum(dn - 1, dc)
-        self.state.draft_passes[:B] += self.state.draft_on[:B].long()  # rows whose draft runs
-        self.draft_synced = True
+        self.graphs.run(("draft", R, k, modes), lambda: side.propose(R, k, modes, side.catchup), self.state.rewind)
 
     @torch.inference_mode()
     def verify_accept_commit(self, B: int, k: int, modes: Modes) -> None:
@@ -374,8 +262,8 @@ class Runner:
             R = self.pad_rows(B)
             self.graphs.run(("verify", R, k, modes, shared), lambda: self.verify_step(R, k, modes, shared),
                             self.state.rewind)
-        if k == 0 and self.drafter is not None:
-            self.draft_synced = False  # the draft did not follow this pass's token
+        if k == 0 and self.draft_side is not None:
+            self.draft_side.synced = False  # the draft did not follow this pass's token
 
     def shared_sampling(self, B: int) -> tuple[float, float] | None:
         """(temperature, top_p) as float32 values when every sampled row among the first B has
@@ -404,7 +292,7 @@ class Runner:
         else:
             n_acc = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
             if self.sampling_rule == "rejection" and modes.any_full:
-                d2t = None if self.drafter.vocab.identity else self.d2t
+                d2t = None if self.drafter.vocab.identity else self.draft_side.d2t
                 emitted, accepted = accept_by_rejection(
                     logits, self.state.draft_logits[:B, :k], proposals, choice, d2t, self.state.temperature[:B],
                     self.state.top_p[:B], self.state.seed[:B], n - 1, shared)
@@ -422,8 +310,8 @@ class Runner:
             self.state.accepted_now[:B] = torch.where(live, accepted, -1)
         else:
             self.state.accepted_now[:B] = torch.where(~self.state.done[:B], 0, -1)
-        if self.drafter is not None:
-            self.commit_draft(B, k, n_acc)
+        if self.draft_side is not None:
+            self.draft_side.commit(B, k, n_acc)
         return self.state.n_tokens[:B]
 
     def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor,
@@ -451,21 +339,6 @@ class Runner:
         self.state.done[slots] |= (last == self.eot) | (n_new >= self.state.budget[slots])
         return m
 
-    def commit_draft(self, B: int, k: int, n_acc: torch.Tensor) -> None:
-        """Keep the accepted drafts' cache entries, append the correction/bonus token spelled in
-        draft ids, drop the rest by shortening the length."""
-        dn = self.state.dn[:B]
-        rows = torch.arange(B, device=self.device)[:, None]
-        if k > 0:
-            self.state.dtokens[rows, dn[:, None] + j_range(k, self.device)] = self.state.raw[:B, :k]
-            self.state.dcached[:B] = torch.minimum(self.state.dcached[:B], dn + n_acc)
-        last = self.state.tokens[:B].gather(1, (self.state.n_tokens[:B] - 1)[:, None])[:, 0]
-        W = self.t2d.shape[1]
-        base = dn + n_acc
-        self.state.dtokens[rows, base[:, None] + j_range(W, self.device)] = self.t2d[last]
-        new_dn = base + self.t2d_len[last]
-        self.state.dn[:B] = torch.where(self.state.done[:B] | ~self.state.draft_on[:B], dn, new_dn)
-
     @torch.inference_mode()
     def align(self, slots: list[int], requests: list) -> list[tuple[torch.Tensor, list[float]]]:
         """The alignment pass (word timestamps) of the windows in `slots`, one batch over the
@@ -484,7 +357,9 @@ class Runner:
         done, n, accepted, draft_len = torch.stack([self.state.done[:B].long(), self.state.n_tokens[:B],
                                                     self.state.accepted_now[:B], dn]).tolist()
         if B:
-            self._host_n_max, self._host_dn_max = max(n), max(draft_len)
+            self._host_n_max = max(n)
+            if self.draft_side is not None:
+                self.draft_side.host_len_max = max(draft_len)
             for h, n_s in zip(self.hosts, n):
                 h.n = n_s
         return Progress([bool(d) for d in done], n, accepted, draft_len)
@@ -495,8 +370,4 @@ class Runner:
         if tokens and tokens[-1] == self.eot:
             tokens = tokens[:-1]
         return SeqOutput(tokens, n - P, **self.state.outputs(s))
-
-
-def j_range(n: int, device) -> torch.Tensor:
-    return torch.arange(n, device=device)
 

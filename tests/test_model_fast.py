@@ -358,11 +358,11 @@ def test_compact_draft_keeps_output_exact(head64, ckpt_dir):
     assert layer.fc1.weight.dtype == torch.bfloat16 and layer.self_attn.fused_weight.dtype == torch.bfloat16
     assert layer.final_layer_norm.weight.dtype == torch.float32
     assert full.drafter.draft.model.decoder.layers[0].fc1.weight.dtype == torch.float32
-    assert compact.runner.dcache.cross_k.dtype == torch.bfloat16  # its cross K/V too
+    assert compact.runner.draft_side.cache.cross_k.dtype == torch.bfloat16  # its cross K/V too
     step = compact.drafter.draft.model.decoder
     assert step.int8 and len(step.layer_params()) == 24 * len(step.layers)  # int8 projections in its C++ step
     assert not full.drafter.draft.model.decoder.int8
-    assert full.runner.dcache.cross_k.dtype == torch.float32
+    assert full.runner.draft_side.cache.cross_k.dtype == torch.float32
     assert compact.target.model.decoder.layers[0].fc1.weight.dtype == torch.float32  # never the target
     self_draft = Engine(head64, head64).drafter.draft.model.decoder.layers[0]
     assert self_draft.fc1.weight.dtype == torch.float32  # a self draft stays exact (acceptance 1.0)

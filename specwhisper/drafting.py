@@ -1,0 +1,168 @@
+"""The draft side of the runner: the draft's KV cache over the same slots, the token tables between
+the two vocabularies, and the draft's part of an iteration: start a row's draft, catch up with the
+target's tokens, propose k tokens, and keep in step after the verify pass. The runner owns the
+slots (`SlotState`: dtokens, dn, dcached, draft_on, raw, proposals) and runs the iteration; the
+glossary is in runner.py.
+
+A row's draft sequence (`dtokens[:dn]`) is its own prompt, then the target's tokens spelled in
+draft ids; the first `dcached` of them are in the draft's cache, and each draft call feeds the
+rest first (`uncached_positions`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .choosing import Modes, Rows, choose_tokens
+from .constants import NO_PROPOSAL
+from .draft import Drafter
+from .model import DecoderCache
+from .rules import RuleTables
+from .slots import SeqSpec, SlotState
+
+
+class DraftSide:
+    def __init__(self, drafter: Drafter, state: SlotState, slots: int, device, dtype, backend,
+                 rule_tables: RuleTables, sampling_rule: str, trim: bool):
+        """`trim`: feed only the widest row's uncached tokens and attend up to the longest draft
+        (host reads; the eager path), else fixed shapes (the graph-shaped path)."""
+        d = self.drafter = drafter
+        self.state, self.device, self.dtype = state, device, dtype
+        self.rule_tables, self.sampling_rule, self.trim = rule_tables, sampling_rule, trim
+        self.max_pos = d.target.config.max_target_positions
+        self.cache = DecoderCache.allocate(d.draft.config, slots, device, dtype,
+                                           backend.draft_cross_dtype(d.draft.model.decoder, dtype))
+        self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
+        self.d2t = d.draft_to_target.to(device)
+        self.noise_ids = d.noise_ids.to(device)
+        self.catchup = 1 + self.t2d.shape[1]  # fixed catch-up width: the last draft + a spelling
+        self.synced = True  # every row's uncached draft tokens fit the catch-up width
+        self.host_len_max = self.max_pos  # the host's bound on draft lengths (kv_len), see Runner.progress
+
+    @torch.inference_mode()
+    def start(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
+        """The draft's cross K/V (its own encoder pass unless it shares the target's), its prompt,
+        and every token the target has emitted so far, spelled in draft ids (left uncached: the
+        next draft call feeds them)."""
+        d, st = self.drafter, self.state
+        ddec = d.draft.model.decoder
+        rows = DecoderCache(*(t[:, s:s + 1] for t in self.cache.buffers()))
+        dfeat = features[None] if d.shared_encoder else d.draft.model.encoder(draft_mel[None].to(self.device, self.dtype))
+        ddec.fill_cross(rows, dfeat)
+        dprompt = d.prompt(spec)
+        P = len(dprompt)
+        ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],
+                    rows, kv_len=P)
+        st.draft_passes[s] = 1
+        st.dtokens[s, :P] = torch.tensor(dprompt, device=self.device)
+        n = int(st.n_tokens[s])
+        at = P
+        for tok in st.tokens[s, int(st.prompt_len[s]):n].tolist():
+            st.dtokens[s, at:at + self.t2d.shape[1]] = self.t2d[tok]
+            at += int(self.t2d_len[tok])
+        st.dn[s], st.dcached[s] = at, P
+        self.host_len_max = max(self.host_len_max, at)
+        st.draft_on[s] = True
+        self.synced = False  # more than the catch-up width may be uncached
+
+    def propose(self, B: int, k: int, modes: Modes, width: int) -> torch.Tensor:
+        """k proposals for each of the first B slots, feeding `width` draft positions first
+        (graph-safe when `trim` is off) -> the proposals [B, k] in target ids (-1: no usable
+        proposal from there on), also in `state.proposals`."""
+        d, st = self.drafter, self.state
+        ddec = d.draft.model.decoder
+        slots = torch.arange(B, device=self.device)
+        dn = st.dn[:B]
+        src = self.uncached_positions(B, width)  # [B, width]
+        feed = st.dtokens[:B].gather(1, src)
+        kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
+        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len)[:, -1:]
+        raws = []
+        for step in range(k):
+            x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
+            raws.append(x)
+            if step + 1 < k:
+                pos = (dn + step)[:, None]
+                hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len)
+        st.draft_passes[:B] += k * st.draft_on[:B].long()
+        raw = torch.stack(raws, dim=1)  # [B, k] draft ids
+        st.raw[:B, :k] = raw
+        st.dcached[:B] = dn + k - 1
+        mapped = self.d2t[raw]
+        usable = (mapped >= 0) & st.draft_on[:B, None] & (dn[:, None] + k <= self.max_pos)
+        # a row with a fixed smaller k proposes only that many
+        limit = torch.where(st.row_k[:B] > 0, st.row_k[:B], k)
+        usable &= torch.arange(k, device=self.device)[None] < limit[:, None]
+        usable = usable.long().cumprod(dim=1).bool()
+        st.proposals[:B, :k] = torch.where(usable, mapped, NO_PROPOSAL)
+        return st.proposals[:B, :k]
+
+    def choose(self, hidden, slots, index, modes, raws) -> torch.Tensor:
+        """The draft's proposal [B] from hidden [B, 1, d]: its greedy argmax, or its race winner
+        under the target's noise (keyed by target ids) for sampled rows. A draft with the
+        target's vocabulary follows the timestamp rules too, given its own proposals `raws` so
+        far (another vocabulary only suppresses: its proposals are verified all the same)."""
+        d = self.drafter
+        banned = d.draft.suppress
+        follows_rules = modes.any_timestamps and d.vocab.identity
+        if not modes.any_sampled and not follows_rules:
+            # every row greedy and no rules to follow (a plain row, or a long-form row at
+            # temperature 0 drafted by another vocabulary, which only suppresses): the race at
+            # temperature 0 is the argmax, which the draft's screened head gives without
+            # computing its full logits (tiny.en's: 80 MB of float32 a step)
+            return d.greedy(hidden, banned)[:, 0]
+        proposed = torch.stack(raws, dim=1) if raws else None
+        rows = Rows(self.state, slots, (index + 1)[:, None], proposed)
+        choice, logits = choose_tokens(d.draft.model.decoder.logits, hidden, banned, rows, self.rule_tables,
+                                       follows_rules, self.noise_ids)
+        if self.sampling_rule == "rejection":
+            self.state.draft_logits[:hidden.shape[0], len(raws)] = logits[:, 0]
+        return choice[:, 0]
+
+    def catch_up(self, B: int) -> None:
+        """Feed every row's uncached draft tokens (after iterations without drafting)."""
+        st = self.state
+        ddec = self.drafter.draft.model.decoder
+        dn, dc = st.dn[:B], st.dcached[:B]
+        src = self.uncached_positions(B, self.uncached_width(B))
+        ddec.hidden(st.dtokens[:B].gather(1, src), src, self.view(B))
+        st.dcached[:B] = torch.maximum(dn - 1, dc)
+        st.draft_passes[:B] += st.draft_on[:B].long()  # rows whose draft runs
+        self.synced = True
+
+    def commit(self, B: int, k: int, n_acc: torch.Tensor) -> None:
+        """After the verify pass: keep the accepted drafts' cache entries, append the correction or
+        bonus token spelled in draft ids, drop the rest by shortening the length."""
+        st = self.state
+        dn = st.dn[:B]
+        rows = torch.arange(B, device=self.device)[:, None]
+        if k > 0:
+            st.dtokens[rows, dn[:, None] + torch.arange(k, device=self.device)] = st.raw[:B, :k]
+            st.dcached[:B] = torch.minimum(st.dcached[:B], dn + n_acc)
+        last = st.tokens[:B].gather(1, (st.n_tokens[:B] - 1)[:, None])[:, 0]
+        W = self.t2d.shape[1]
+        base = dn + n_acc
+        st.dtokens[rows, base[:, None] + torch.arange(W, device=self.device)] = self.t2d[last]
+        new_dn = base + self.t2d_len[last]
+        st.dn[:B] = torch.where(st.done[:B] | ~st.draft_on[:B], dn, new_dn)
+
+    # ---------------------------------------------------------------- feeding
+    def uncached_positions(self, B: int, width: int) -> torch.Tensor:
+        """Draft positions [B, width] to feed: each row's uncached tokens, right-aligned; shorter
+        rows repeat their first uncached position on the left (rewriting one slot with the same
+        values), and a row with nothing uncached re-feeds its last token, whose output predicts
+        the next one."""
+        dn, start = self.state.dn[:B], self.uncached_start(B)
+        j = torch.arange(width, device=self.device)
+        return start[:, None] + (j[None] - (width - (dn - start)[:, None])).clamp(min=0)
+
+    def uncached_start(self, B: int) -> torch.Tensor:
+        """Each row's first draft position to feed [B] (a row without a draft, dn = 0, re-feeds slot 0)."""
+        return torch.minimum(self.state.dcached[:B], self.state.dn[:B] - 1).clamp(min=0)
+
+    def uncached_width(self, B: int) -> int:
+        """The widest row's number of positions to feed (a host read; at least 1)."""
+        return max(1, int((self.state.dn[:B] - self.uncached_start(B)).max()))
+
+    def view(self, B: int) -> DecoderCache:
+        """The draft cache's first B slots."""
+        return DecoderCache(*(t[:, :B] for t in self.cache.buffers()))
