@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import json
 import logging
 import socket
@@ -124,8 +123,6 @@ class TranscriptionService:
         self.admission = Admission(options.max_queue, on_idle=self.trimmer.poke)
         self.audio_threads = ThreadPoolExecutor(AUDIO_THREADS, thread_name_prefix="specwhisper-audio")
         self.metrics = ServerMetrics(lambda: self.admission.count, self.admission.waiting, self.admission.running)
-        self.accepts_prompt = "initial_prompt" in inspect.signature(engine.transcribe).parameters
-        self.streams_segments = "on_segment" in inspect.signature(engine.submit).parameters
         self.created = int(time.time())
 
     # ------------------------------------------------------------ validation
@@ -148,9 +145,6 @@ class TranscriptionService:
             options.update(temperature=fields.temperature, top_p=fields.top_p, seed=fields.seed,
                            num_draft_tokens=fields.num_draft_tokens)
             if fields.prompt:
-                if not self.accepts_prompt:  # an embedded engine of another kind
-                    raise ApiError(400, "prompt is not supported by this engine (it has no initial_prompt)",
-                                   param="prompt", code="unsupported_parameter")
                 options["initial_prompt"] = fields.prompt
         return options
 
@@ -248,7 +242,7 @@ class TranscriptionService:
         except BaseException:
             self.admission.release()
             raise
-        if fields.stream and self.streams_segments:
+        if fields.stream:
             # segments go out as their windows finish (long-form), the rest with the result
             loop, queue = asyncio.get_running_loop(), asyncio.Queue()
             options["on_segment"] = lambda segment: loop.call_soon_threadsafe(queue.put_nowait, segment)
@@ -261,9 +255,6 @@ class TranscriptionService:
     # ------------------------------------------------------------ responses
     def respond(self, result, fields: CommonFields, task: str, granularities: list[str] | None = None) -> Response:
         headers = {"openai-model": self.options.model_name}
-        if fields.stream:
-            return StreamingResponse(_sse_events(result, task), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
         fmt = fields.response_format
         if fmt == "json":
             return JSONResponse({"text": result.text}, headers=headers)
