@@ -1,5 +1,6 @@
-"""The draft side of speculative decoding: proposing k tokens, acceptance, cache bookkeeping, and
-the adaptive choice of k. The runner drives its steps (the glossary is in runner.py), the engine
+"""The draft model of speculative decoding: a draft paired with its target (vocabulary tables,
+greedy head, its own prompt, the costs it measures), and the adaptive choice of k. Its steps over
+the runner's slots are drafting.py's (the glossary is in runner.py); the speculation controller
 asks `DraftLength` for each iteration's k."""
 from __future__ import annotations
 

@@ -17,19 +17,24 @@ Glossary (one iteration, per row):
 Each iteration emits accepted + 1 tokens (cut at EOT and the row's budget), exactly the target's
 own output. Rollback is a length: stale cache slots are masked and overwritten.
 
-State layout (S slots, L = 448 positions + room for the widest write past the end):
-tokens [S, L] target ids (prompt, then generated); n_tokens [S] (the pending token is
-tokens[n_tokens - 1], at position n_tokens - 1, and the cache holds positions < n_tokens - 1);
-prompt_len, budget (max n_tokens), done; per-row options (temperature, top_p, seed, timestamps);
-draft side: dtokens [S, L] draft ids, dn [S], dcached [S] (leading draft tokens in its cache).
-The host reads one small tensor per iteration (`progress`): done flags, lengths, acceptances.
+Where things are: the per-slot state is declared once in slots.py (`SlotState`: tokens [S, L]
+target ids, prompt then generated; n_tokens [S], the pending token being tokens[n_tokens - 1] at
+position n_tokens - 1 with the cache holding positions < n_tokens - 1; budget, done, per-row
+options, statistics; the draft's dtokens, dn, dcached; `HostSlot`: the host's record of a slot).
+Choosing a token under Whisper's rules is choosing.py (`choose_tokens`, shared with the draft);
+the draft's half of an iteration is drafting.py (`DraftSide`); what depends on the device
+(trimming, encoder batches, cache dtypes) is the backend's (backends/). This module keeps the
+slots' lifecycle (admission, moving a row, the output), the target's verify-accept-commit step,
+the orchestration of the draft step, and the host's one small read per iteration (`progress`:
+done flags, lengths, acceptances).
 
 Graph-shaped path (`graphs` given; CUDA graphs on a GPU, the same code eagerly on a CPU): `draft(k)`
 and `verify_accept_commit(k)` run over a power-of-two *bucket* of rows, the live rows then inert
 padding rows (done, no draft: they append nothing), with fixed shapes (the full cache width, the
 fixed catch-up width), inputs and outputs in static buffers, and no host read inside; one graph per
-(step, bucket, k, modes). Without `graphs` (the CPU default) the steps run over exactly the live
-rows and trim the attended width to the longest row (host mirrors of the lengths).
+(step, bucket, k, modes), its warm-up rewound by `SlotState.rewind`. Without `graphs` (the CPU
+default) the steps run over exactly the live rows and, where the backend says so, trim the attended
+width to the longest row (host mirrors of the lengths).
 """
 from __future__ import annotations
 
@@ -38,14 +43,14 @@ from typing import NamedTuple
 import torch
 
 from . import rules, sampling
+from .backends import backend_for
 from .choosing import Modes, Rows, choose_tokens
 from .constants import MAX_DRAFT_TOKENS as MAX_K
-from .rejection import accept_by_rejection
 from .draft import Drafter, greedy_tokens
 from .drafting import DraftSide
-from .backends import backend_for
 from .graphs import StepGraphs
 from .model import DecoderCache
+from .rejection import accept_by_rejection
 from .slots import HostSlot, SeqOutput, SeqSpec, SlotState
 
 
