@@ -42,6 +42,9 @@ FP32_ROUNDOFF = 2.0**-24
 TINY = 2.0**-40  # underflow of the products (< K·2^-149 for any float32 h)
 MAX_CANDIDATES = 16
 BLOCK = 8  # vocabulary rows per block of the packed int8 copy
+# nats: openai's float32 log-probabilities move the timestamp rule's comparison by < 1e-5 (see
+# `ScreenedHead.timestamp_argmax`); closer calls are decided from the full logits
+TIMESTAMP_MARGIN = 1e-3
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,6 +85,7 @@ class ScreenedHead:
         self.packed = (padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2).contiguous()
                        if K % 8 == 0 else None)
         self.q = q if self.packed is None else None  # the reference unpacks `packed` when it can
+        self._tail = None  # (start, weight[start:]) for `tail`
 
     def int8_weights(self) -> torch.Tensor:
         """q [V, K] int8."""
@@ -124,6 +128,46 @@ class ScreenedHead:
                 logits.masked_fill_(banned if banned.ndim == 1 else banned[rows], -float("inf"))
             out[rows] = logits.argmax(dim=1)
         return out
+
+
+    def tail(self, start: int) -> torch.Tensor:
+        """The float32 head's rows start.. as one contiguous matrix (cached): exact logits for a
+        range of the vocabulary, bit-identical to the full head's (`cpu_ops.linear` computes every
+        output by the same operations wherever its row sits)."""
+        if self._tail is None or self._tail[0] != start:
+            self._tail = (start, self.weight[start:].contiguous())
+        return self._tail[1]
+
+    def timestamp_argmax(self, hidden: torch.Tensor, banned: torch.Tensor, timestamp_begin: int,
+                         margin: float = TIMESTAMP_MARGIN) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens of timestamp rows without their full logits -> (tokens [N], undecided [N]).
+
+        hidden [N, d]; banned [N, V] the tokens Whisper's rules exclude (`rules.rule_mask`). The
+        last rule forces a timestamp when the timestamps' total probability beats every single
+        token below them: log Σ exp(l_ts) > max l_text (the log-softmax normaliser cancels), so
+        the exact float32 logits of the 1501 timestamps (a 3 MB slice of the head) and the
+        screened argmax over the rest (its exact logit recomputed) decide it, and the token is the
+        better of the two (ties to the lower id, the text token, as argmax over the full logits).
+        openai compares float32 log-probabilities, whose rounding moves the difference by far
+        less than `margin` nats; rows closer than that are `undecided` (their tokens here are not
+        to be used: the caller decides them from full logits)."""
+        hidden = hidden.float()
+        ts = cpu_ops.linear(hidden, self.tail(timestamp_begin), None, torch.float32)  # [N, V - tb]
+        ts.masked_fill_(banned[:, timestamp_begin:], -float("inf"))
+        ts_arg = ts.argmax(dim=1)  # the first maximum
+        ts_best = ts.gather(1, ts_arg[:, None])[:, 0]
+        text_banned = banned.clone()
+        text_banned[:, timestamp_begin:] = True
+        no_text = text_banned.all(dim=1)
+        text_arg = self.argmax(hidden, text_banned)
+        text_best = cpu_ops.gather_dot(hidden, self.weight, text_arg[:, None])[:, 0]
+        text_best = text_best.masked_fill(no_text, -float("inf"))
+        gap = ts.double().logsumexp(dim=1) - text_best.double()  # +inf: no text; -inf / nan: no timestamp
+        force = gap > 0
+        undecided = gap.abs() < margin
+        ts_token = ts_arg + timestamp_begin
+        tokens = torch.where(force | (ts_best > text_best), ts_token, text_arg)
+        return tokens, undecided
 
 
 class SubsetHead:

@@ -28,8 +28,12 @@ class RuleTables:
     timestamp_begin: int  # <|0.00|>; ids from here on are timestamps (0.02 s apart)
     vocab_size: int  # V, the width of the logits
 
+    def is_timestamp(self, device) -> torch.Tensor:
+        """[V] bool: the timestamp tokens."""
+        return torch.arange(self.vocab_size, device=device) >= self.timestamp_begin
+
     @classmethod
-    def build(cls, tokenizer: Tokenizer, vocab_size: int, device) -> "RuleTables":
+    def build(cls, tokenizer: Tokenizer, vocab_size: int, device) -> RuleTables:
         suppress = torch.zeros(vocab_size, dtype=torch.bool)
         suppress[[t for t in tokenizer.openai_suppress_tokens() if t < vocab_size]] = True
         blank = torch.zeros(vocab_size, dtype=torch.bool)
@@ -41,23 +45,43 @@ class RuleTables:
 def apply_rules(logits: torch.Tensor, tables: RuleTables, at_begin: torch.Tensor, timestamps: torch.Tensor,
                 n_sampled: torch.Tensor, last: torch.Tensor, penultimate: torch.Tensor,
                 last_timestamp: torch.Tensor, max_initial_timestamp: torch.Tensor) -> torch.Tensor:
-    """Mask `logits` [N, V] (float32, in place; also returned) with Whisper's rules, row by row.
+    """Mask `logits` [N, V] (float32, in place; also returned) with Whisper's rules, row by row:
+    the `rule_mask` of the rows' states, then the rule that forces a timestamp when the
+    timestamps' total probability beats every single text token (`forces_timestamp`). The
+    arguments are `rule_mask`'s."""
+    logits.masked_fill_(rule_mask(tables, at_begin, timestamps, n_sampled, last, penultimate, last_timestamp,
+                                  max_initial_timestamp), NEG_INF)
+    force = timestamps & forces_timestamp(logits, tables.timestamp_begin)
+    return logits.masked_fill_(force[:, None] & ~tables.is_timestamp(logits.device), NEG_INF)
 
-    at_begin [N] bool: nothing sampled yet (SuppressBlank; timestamp rows must start with a timestamp).
-    timestamps [N] bool: the row predicts timestamps (ApplyTimestampRules); other rows get
+
+def forces_timestamp(logits: torch.Tensor, timestamp_begin: int) -> torch.Tensor:
+    """[N] bool: the masked logits' timestamps have more total probability than any single
+    token below `timestamp_begin` (openai's comparison, on float32 log-probabilities)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    timestamp_logprob = logprobs[:, timestamp_begin:].logsumexp(dim=-1)
+    max_text_logprob = logprobs[:, :timestamp_begin].max(dim=-1).values
+    return timestamp_logprob > max_text_logprob
+
+
+def rule_mask(tables: RuleTables, at_begin: torch.Tensor, timestamps: torch.Tensor,
+              n_sampled: torch.Tensor, last: torch.Tensor, penultimate: torch.Tensor,
+              last_timestamp: torch.Tensor, max_initial_timestamp: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: the tokens Whisper's rules exclude in each row's state, before the
+    timestamp-forcing rule (which needs the logits). Every argument is [N]:
+
+    at_begin bool: nothing sampled yet (SuppressBlank; timestamp rows must start with a timestamp).
+    timestamps bool: the row predicts timestamps (ApplyTimestampRules); other rows get
         suppression only (their prompt ends with <|notimestamps|>).
-    n_sampled [N] int64: tokens sampled so far after the prompt.
-    last, penultimate [N] int64: the last two sampled tokens (read only when n_sampled allows:
+    n_sampled int64: tokens sampled so far after the prompt.
+    last, penultimate int64: the last two sampled tokens (read only when n_sampled allows:
         fewer than 2 sampled counts the penultimate as a timestamp, as openai does).
-    last_timestamp [N] int64: id of the last sampled timestamp token, -1 when none yet.
-    max_initial_timestamp [N] int64: highest timestamp index allowed first, -1 for no limit.
+    last_timestamp int64: id of the last sampled timestamp token, -1 when none yet.
+    max_initial_timestamp int64: highest timestamp index allowed first, -1 for no limit.
     """
-    N, V = logits.shape
-    tb = tables.timestamp_begin
-    ids = torch.arange(V, device=logits.device)  # [V]
+    V, tb = tables.vocab_size, tables.timestamp_begin
+    ids = torch.arange(V, device=at_begin.device)  # [V]
     is_timestamp, is_text = ids >= tb, ids < tables.eot  # [V]
-
-    logits.masked_fill_((at_begin[:, None] & tables.blank) | tables.suppress, NEG_INF)
 
     last_was_ts = (n_sampled >= 1) & (last >= tb)  # [N]
     penultimate_was_ts = (n_sampled < 2) | (penultimate >= tb)
@@ -71,14 +95,7 @@ def apply_rules(logits: torch.Tensor, tables: RuleTables, at_begin: torch.Tensor
     # the first token is a timestamp no later than max_initial_timestamp
     limit = torch.where(max_initial_timestamp >= 0, tb + max_initial_timestamp, V)
     mask |= at_begin[:, None] & (~is_timestamp | (ids > limit[:, None]))
-    logits.masked_fill_(mask & timestamps[:, None], NEG_INF)
-
-    # a timestamp is forced when the timestamps' total probability beats every single text token
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    timestamp_logprob = logprobs[:, tb:].logsumexp(dim=-1)
-    max_text_logprob = logprobs[:, :tb].max(dim=-1).values
-    force = timestamps & (timestamp_logprob > max_text_logprob)
-    return logits.masked_fill_(force[:, None] & ~is_timestamp, NEG_INF)
+    return (mask & timestamps[:, None]) | (at_begin[:, None] & tables.blank) | tables.suppress
 
 
 def row_state(tokens: list[int], timestamp_begin: int) -> tuple[int, int, int, int]:

@@ -140,3 +140,72 @@ def test_extreme_int8_products_and_every_row_grouping(rows):
     expected = full_argmax(weight, hidden, torch.zeros(V, dtype=torch.bool))
     assert torch.equal(head.argmax(hidden), expected)
     assert expected[0] == 5
+
+
+def timestamp_case(V=6000, n_ts=1501, d=64, rows=300, seed=0):
+    """A random head whose last `n_ts` ids are timestamps, and rows in random rule states (first
+    token, open and closed timestamp pairs, a last timestamp, an initial-timestamp limit), their
+    hidden states scaled over a wide range so that the timestamp-forcing rule goes both ways."""
+    from specwhisper.rules import RuleTables, rule_mask
+
+    gen = torch.Generator().manual_seed(seed)
+    tb = V - n_ts
+    eot = tb - 10
+    weight = torch.randn(V, d, generator=gen) * 0.5
+    weight[tb:] *= 0.6  # timestamps a little less likely one by one, so both outcomes occur
+    suppress = torch.zeros(V, dtype=torch.bool)
+    suppress[eot + 1:tb - 1] = True  # the special tokens
+    blank = torch.zeros(V, dtype=torch.bool)
+    blank[[5, eot]] = True
+    tables = RuleTables(suppress, blank, eot, tb - 1, tb, V)
+    r = lambda lo, hi: torch.randint(lo, hi, (rows,), generator=gen)
+    n_sampled = r(0, 6)
+    at_begin = n_sampled == 0
+    last = torch.where(r(0, 2) == 1, r(tb, V), r(0, eot + 1))
+    penultimate = torch.where(r(0, 2) == 1, r(tb, V), r(0, eot + 1))
+    last_timestamp = torch.where(n_sampled > 0, r(tb, V), -1)
+    max_initial = torch.where(r(0, 2) == 1, r(0, 100), -1)
+    state = (at_begin, torch.ones(rows, dtype=torch.bool), n_sampled, last, penultimate, last_timestamp, max_initial)
+    banned = rule_mask(tables, *state)
+    scale = torch.logspace(-1, 1.3, rows)[:, None]
+    hidden = torch.randn(rows, d, generator=gen) * scale
+    return weight, tables, state, banned, hidden
+
+
+def test_timestamp_argmax_is_the_ruled_argmax_of_the_full_logits():
+    from specwhisper.rules import apply_rules, forces_timestamp
+
+    weight, tables, state, banned, hidden = timestamp_case()
+    head = ScreenedHead(weight)
+    tokens, undecided = head.timestamp_argmax(hidden, banned, tables.timestamp_begin)
+    logits = cpu_ops.linear(hidden, weight, None, torch.float32)
+    expected = apply_rules(logits.clone(), tables, *state).argmax(dim=-1)
+    assert torch.equal(tokens[~undecided], expected[~undecided])
+    assert int(undecided.sum()) <= 3  # a rounding guard, not a way out
+    forced = forces_timestamp(logits.masked_fill(banned, -float("inf")), tables.timestamp_begin)
+    # power: both outcomes of the forcing rule, text and timestamp tokens, first and later tokens
+    assert 30 < int(forced.sum()) < 270
+    tb = tables.timestamp_begin
+    masked = logits.masked_fill(banned, -float("inf")).double()
+    assert 30 < int((expected >= tb).sum()) < 270
+    assert bool((forced & (masked.argmax(dim=1) < tb)).any())  # rows where the forcing rule decides
+    # the undecided rows are exactly those within the margin of the rule's threshold
+    gap = masked[:, tb:].logsumexp(dim=1) - masked[:, :tb].max(dim=1).values
+    assert torch.equal(undecided, gap.abs() < 1e-3)
+
+
+def test_timestamp_argmax_margins_and_fully_banned_rows():
+    weight, tables, _, banned, hidden = timestamp_case(rows=40, seed=1)
+    head = ScreenedHead(weight)
+    tb = tables.timestamp_begin
+    _, undecided = head.timestamp_argmax(hidden, banned, tb, margin=float("inf"))
+    both = ~banned[:, :tb].all(dim=1) & ~banned[:, tb:].all(dim=1)
+    assert torch.equal(undecided, both)  # every row with a choice to make is sent to the full logits
+    banned[0] = True  # nothing allowed: argmax over all -inf is 0
+    banned[1, :tb] = True  # only timestamps
+    banned[2, tb:] = True  # only text
+    tokens, undecided = head.timestamp_argmax(hidden, banned, tb)
+    logits = cpu_ops.linear(hidden, weight, None, torch.float32).masked_fill(banned, -float("inf"))
+    assert int(tokens[0]) == 0 and not bool(undecided[0])
+    assert int(tokens[1]) == int(logits[1].argmax()) >= tb and not bool(undecided[1])
+    assert int(tokens[2]) == int(logits[2].argmax()) < tb and not bool(undecided[2])
