@@ -7,7 +7,8 @@ exponential race (`ops.race_sample`; its argmax at temperature 0). The runner's 
 (`Runner.choose`: admission and the verify pass) and its draft path (`Runner.draft_choose`: each
 proposal) both call it; each keeps only what differs: the target's exact screened head for plain
 greedy rows, the draft's screened greedy head when no row samples or follows rules, the rejection
-mode's copy of the draft's logits.
+mode's copy of the draft's logits. `choose_ruled_greedy` gives greedy rows under the timestamp
+rules the same tokens without their full logits (the screened head's `timestamp_argmax`).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class Modes(NamedTuple):
     """Which token-choosing paths an iteration needs (from the host's copy of the rows' options)."""
 
     any_plain: bool  # a plain-greedy row: the screened head
-    any_full: bool  # a row that needs full logits (sampled, timestamps, log-probabilities)
+    any_full: bool  # a row that needs full logits (sampled; greedy timestamps without a screened head)
     any_timestamps: bool  # a row under the timestamp rules
     any_sampled: bool  # a row sampled at a temperature above 0
+    any_ruled: bool = False  # a greedy row under the timestamp rules, through the screened head
 
 
 @dataclass
@@ -41,6 +43,9 @@ class Rows:
     slots: torch.Tensor  # [B] the slot of each row
     predicted: torch.Tensor  # [B, T] index, in the row's target tokens, of the token position t predicts
     proposed: torch.Tensor | None = None  # [B, j] tokens at indices n_tokens.. (None: none)
+
+    def subset_proposed(self, sel: torch.Tensor) -> torch.Tensor | None:
+        return None if self.proposed is None else self.proposed[sel]
 
     def at_begin(self) -> torch.Tensor:
         """[B, T] bool: the position predicts the row's first generated token."""
@@ -56,24 +61,55 @@ def choose_tokens(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     suppressed); `noise_ids`: the race's noise per vocabulary column (None: the column's id; a
     draft with another vocabulary races its columns with their target ids' noise)."""
     B, T, _ = hidden.shape
-    raw = logits_fn(hidden).float()
-    logits = raw.masked_fill(banned, -float("inf"))
+    logits = ruled_logits(logits_fn(hidden).float(), banned, rows, tables, timestamps)
     st, slots = rows.state, rows.slots
-    if timestamps:
-        ruled = timestamp_rules(raw, rows, tables)
-        logits = torch.where(st.timestamps[slots][:, None, None], ruled, logits)
     flat = slots[:, None].expand(B, T).reshape(-1)
     choices = ops.race_sample(logits.reshape(B * T, -1), st.temperature[flat], st.top_p[flat], st.seed[flat],
                               rows.predicted.reshape(-1), noise_ids)
     return choices.view(B, T), logits
 
 
+def ruled_logits(raw: torch.Tensor, banned: torch.Tensor, rows: Rows, tables: rules.RuleTables,
+                 timestamps: bool) -> torch.Tensor:
+    """Float32 logits [B, T, V] -> the logits under Whisper's rules: `banned` masked, or for the
+    rows that want them (`timestamps`) the timestamp rules, which do their own suppression."""
+    logits = raw.masked_fill(banned, -float("inf"))
+    if timestamps:
+        ruled = timestamp_rules(raw, rows, tables)
+        logits = torch.where(rows.state.timestamps[rows.slots][:, None, None], ruled, logits)
+    return logits
+
+
+def choose_ruled_greedy(head, logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                        rows: Rows, tables: rules.RuleTables) -> torch.Tensor:
+    """Greedy tokens [B, T] of rows under the timestamp rules, without their full logits: the
+    screened head's `timestamp_argmax` (exact), the few positions it leaves undecided (a call
+    closer than its margin) from their full logits. Equal to `choose_tokens` at temperature 0."""
+    B, T, d = hidden.shape
+    state = rule_state(rows, tables)
+    flat_hidden = hidden.reshape(B * T, d)
+    tokens, undecided = head.timestamp_argmax(flat_hidden, rules.rule_mask(tables, *state), tables.timestamp_begin)
+    if bool(undecided.any()):
+        u = undecided.nonzero()[:, 0]
+        logits = rules.apply_rules(logits_fn(flat_hidden[u]).float(), tables, *(t[u] for t in state))
+        tokens[u] = logits.argmax(dim=-1)
+    return tokens.view(B, T)
+
+
 def timestamp_rules(logits: torch.Tensor, rows: Rows, tables: rules.RuleTables) -> torch.Tensor:
     """Whisper's timestamp rules at every position [B, T] of a pass, each position given its own
     prefix: the row's tokens, then the proposed tokens before it. Returns new logits [B, T, V]."""
     B, T, V = logits.shape
+    ruled = rules.apply_rules(logits.reshape(B * T, V).clone(), tables, *rule_state(rows, tables))
+    return ruled.view(B, T, V)
+
+
+def rule_state(rows: Rows, tables: rules.RuleTables) -> tuple[torch.Tensor, ...]:
+    """The rules' per-position state, flattened to [B * T] (`rules.rule_mask`'s arguments):
+    at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial_timestamp."""
     st, slots, predicted = rows.state, rows.slots, rows.predicted
-    device = logits.device
+    B, T = predicted.shape
+    device = predicted.device
     seq = st.tokens[slots]  # [B, L] (a copy)
     if rows.proposed is not None and rows.proposed.shape[1]:
         k = rows.proposed.shape[1]
@@ -89,10 +125,5 @@ def timestamp_rules(logits: torch.Tensor, rows: Rows, tables: rules.RuleTables) 
     penultimate = seq.gather(1, (predicted - 2).clamp(min=0))
     last_timestamp = torch.where(n_sampled > 0, stamps.gather(1, before), -1)
     flat_slots = slots[:, None].expand(B, T)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(B * T)
-    ruled = rules.apply_rules(logits.reshape(B * T, V).clone(), tables, flat(rows.at_begin()),
-                              flat(st.timestamps[flat_slots]), flat(n_sampled), flat(last), flat(penultimate),
-                              flat(last_timestamp), flat(st.max_initial_ts[flat_slots]))
-    return ruled.view(B, T, V)
+    return tuple(t.reshape(B * T) for t in (rows.at_begin(), st.timestamps[flat_slots], n_sampled, last,
+                                             penultimate, last_timestamp, st.max_initial_ts[flat_slots]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .choosing import Modes, Rows, choose_tokens
+from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens
 from .constants import NO_PROPOSAL
 from .draft import Drafter
 from .model import DecoderCache
@@ -112,6 +112,10 @@ class DraftSide:
             return d.greedy(hidden, banned)[:, 0]
         proposed = torch.stack(raws, dim=1) if raws else None
         rows = Rows(self.state, slots, (index + 1)[:, None], proposed)
+        if not modes.any_sampled and not modes.any_plain and hasattr(d.head, "timestamp_argmax"):
+            # every row greedy under the timestamp rules, with the target's vocabulary (a self
+            # or distilled draft): the screened head decides them without the full logits
+            return choose_ruled_greedy(d.head, d.draft.model.decoder.logits, hidden, rows, self.rule_tables)[:, 0]
         choice, logits = choose_tokens(d.draft.model.decoder.logits, hidden, banned, rows, self.rule_tables,
                                        follows_rules, self.noise_ids)
         if self.sampling_rule == "rejection":

@@ -44,7 +44,7 @@ import torch
 
 from . import rules, sampling
 from .backends import backend_for
-from .choosing import Modes, Rows, choose_tokens
+from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens, ruled_logits
 from .constants import MAX_DRAFT_TOKENS as MAX_K
 from .draft import Drafter, greedy_tokens
 from .drafting import DraftSide
@@ -88,7 +88,7 @@ class Runner:
         self.cache = DecoderCache.allocate(cfg, S, device, dtype)
         self.caches = [self.cache]  # per-slot KV caches (the draft's too), moved with their rows
         sides = set() if drafter is None else {"draft"} | ({"rejection"} if sampling_rule == "rejection" else set())
-        sizes = {"L": L, "K": MAX_K, "V": drafter.draft.config.vocab_size if drafter else 0}
+        sizes = {"L": L, "K": MAX_K, "V": drafter.draft.config.vocab_size if drafter else 0, "D": cfg.d_model}
         self.state = SlotState.allocate(S, sizes, sides, device)
         self.hosts = [HostSlot() for _ in range(S)]
         self.suppress = target.suppress  # [V] bool
@@ -186,10 +186,8 @@ class Runner:
             st.no_speech[s] = sot_logits.softmax(-1)[self.no_speech_id]
         # the first token: the prompt's last position, as if it were a one-position verify pass
         slot = torch.tensor([s], device=self.device)
-        first, logits = self.choose(hidden[:, -1:], slot, st.n_tokens[slot] - 1,
-                                    Modes(spec.plain, not spec.plain, spec.timestamps,
-                                          spec.temperature > 0), first=True)
-        self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device), logits)
+        first, logits = self.choose(hidden[:, -1:], slot, st.n_tokens[slot] - 1, self.modes_of([spec]), first=True)
+        self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device), logits, hidden[:, -1:])
 
     def drafts_pending(self, B: int) -> bool:
         """Whether a row among the first B has a draft still to start."""
@@ -211,9 +209,16 @@ class Runner:
 
     def modes(self, B: int) -> Modes:
         """The paths the first B slots need (from the host's copy of the options: no device read)."""
-        specs = self.specs(B)
-        return Modes(any(sp.plain for sp in specs), any(not sp.plain for sp in specs),
-                     any(sp.timestamps for sp in specs), any(sp.temperature > 0 for sp in specs))
+        return self.modes_of(self.specs(B))
+
+    def modes_of(self, specs: list[SeqSpec]) -> Modes:
+        """Greedy rows under the timestamp rules choose through the screened head when the target
+        has one (`choose_ruled_greedy`), else from full logits like sampled rows."""
+        screened = self.target.head is not None
+        return Modes(any(sp.plain for sp in specs),
+                     any(sp.temperature > 0 or (sp.ruled_greedy and not screened) for sp in specs),
+                     any(sp.timestamps for sp in specs), any(sp.temperature > 0 for sp in specs),
+                     screened and any(sp.ruled_greedy for sp in specs))
 
     def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
                modes: Modes, proposals: torch.Tensor | None = None, first: bool = False):
@@ -223,8 +228,10 @@ class Runner:
         when no row is full).
 
         A row's choice depends only on its own options, never on its batch neighbours: plain
-        greedy rows use the exact screened head; the others `choose_tokens` (the full logits
-        under Whisper's rules, then the seeded race; temperature 0: the argmax). `first`: the
+        greedy rows use the exact screened head, greedy rows under the timestamp rules the
+        screened head's `timestamp_argmax` (`choose_ruled_greedy`, when the target has a screened
+        head); the others `choose_tokens` (the full logits under Whisper's rules, then the seeded
+        race; temperature 0: the argmax). `first`: the
         pass may predict a row's first generated token (admission); a verify pass never does
         (each row's first token is chosen at admission), so its banned tokens are the same [V] at
         every position (no [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on
@@ -232,12 +239,26 @@ class Runner:
         T = hidden.shape[1]
         rows = Rows(self.state, slots, index[:, None] + 1 + torch.arange(T, device=self.device), proposals)
         banned = self.suppress | (rows.at_begin()[..., None] & self.begin_suppress) if first else self.suppress
+        logits_fn = self.target.model.decoder.logits
         choice = greedy_tokens(self.target, self.target.head, hidden, banned) if modes.any_plain else None
+        if modes.any_ruled:
+            ruled = self.state.ruled_greedy[slots]
+            if choice is None and bool(ruled.all()):
+                choice = choose_ruled_greedy(self.target.head, logits_fn, hidden, rows, self.rule_tables)
+            else:
+                sel = ruled.nonzero()[:, 0]
+                picked = choose_ruled_greedy(self.target.head, logits_fn, hidden[sel],
+                                             Rows(self.state, slots[sel], rows.predicted[sel], rows.subset_proposed(sel)),
+                                             self.rule_tables)
+                choice = torch.zeros(hidden.shape[:2], dtype=torch.long, device=self.device) if choice is None else choice
+                choice[sel] = picked
         if not modes.any_full:
             return choice, None
-        raced, logits = choose_tokens(self.target.model.decoder.logits, hidden, banned, rows, self.rule_tables,
-                                      modes.any_timestamps)
-        return raced if choice is None else torch.where(self.state.plain[slots][:, None], choice, raced), logits
+        raced, logits = choose_tokens(logits_fn, hidden, banned, rows, self.rule_tables, modes.any_timestamps)
+        if choice is None:
+            return raced, logits
+        screened = self.state.plain[slots] | (self.state.ruled_greedy[slots] & modes.any_ruled)
+        return torch.where(screened[:, None], choice, raced), logits
 
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
@@ -306,7 +327,7 @@ class Runner:
                 n_acc = torch.where(sampled, accepted, n_acc)
             valid = (proposals >= 0).sum(dim=1)
             live = ~self.state.done[:B]
-        emitted = self.commit_target(slots, choice, n_acc + 1, logits)
+        emitted = self.commit_target(slots, choice, n_acc + 1, logits, hidden)
         if k > 0:
             # proposals past a row's end (EOT or budget) were never needed: not counted
             self.state.drafted[:B] += torch.where(live, torch.where(self.state.done[:B], torch.minimum(valid, emitted), valid), 0)
@@ -320,11 +341,13 @@ class Runner:
         return self.state.n_tokens[:B]
 
     def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor,
-                      logits: torch.Tensor | None) -> torch.Tensor:
+                      logits: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
         """Append the first `n_emit` choices of each row (cut at EOT and the budget) -> the number
-        appended [B]; their log-probabilities under `logits` [B, T, V] (full rows; None: none)
-        add to the rows' sums. Done rows append nothing."""
-        B, T = choice.shape
+        appended [B]; the sampled rows' log-probabilities under `logits` [B, T, V] (full rows;
+        None: none) add to their sums, and the decoder output `hidden` [B, T, d] that predicted
+        each appended token is kept (a greedy row's log-probabilities, `greedy_logprob`). Done rows
+        append nothing."""
+        T = choice.shape[1]
         n = self.state.n_tokens[slots]
         t = torch.arange(T, device=self.device)
         is_eot = (choice == self.eot) & (t[None] < n_emit[:, None])
@@ -335,9 +358,12 @@ class Runner:
         idx = n[:, None] + t[None]
         old = self.state.tokens[slots].gather(1, idx)
         self.state.tokens[slots[:, None], idx] = torch.where(keep, choice, old)
+        self.state.hidden[slots[:, None], idx] = torch.where(keep[..., None], hidden.float(),
+                                                             self.state.hidden[slots[:, None], idx])
         if logits is not None:
             lp = torch.log_softmax(logits, dim=-1).gather(2, choice[..., None]).squeeze(2).double()  # [B, T]
-            self.state.sum_logprob[slots] += torch.where(keep, lp, 0.0).sum(1)
+            sampled = self.state.temperature[slots] > 0
+            self.state.sum_logprob[slots] += torch.where(keep & sampled[:, None], lp, 0.0).sum(1)
         n_new = n + m
         self.state.n_tokens[slots] = n_new
         last = self.state.tokens[slots].gather(1, (n_new - 1)[:, None])[:, 0]
@@ -374,5 +400,28 @@ class Runner:
         tokens = self.state.tokens[s, P:n].tolist()
         if tokens and tokens[-1] == self.eot:
             tokens = tokens[:-1]
-        return SeqOutput(tokens, n - P, **self.state.outputs(s))
+        out = SeqOutput(tokens, n - P, **self.state.outputs(s))
+        spec = self.hosts[s].spec
+        if spec is not None and spec.need_logprobs and spec.temperature == 0:
+            out.sum_logprob += self.greedy_logprob(s)
+        return out
+
+    @torch.inference_mode()
+    def greedy_logprob(self, s: int) -> float:
+        """The sum of a greedy row's generated tokens' log-probabilities (EOT included), from the
+        decoder outputs kept as they were emitted: the logits under Whisper's rules that a full
+        row's choice would have used, one product over the whole row. A greedy row's tokens never
+        needed them (its choice is an argmax, through the screened head on a CPU), so its passes
+        skip the full head."""
+        st = self.state
+        n, P = int(st.n_tokens[s]), int(st.prompt_len[s])
+        if n <= P:
+            return 0.0
+        slot = torch.tensor([s], device=self.device)
+        rows = Rows(st, slot, torch.arange(P, n, device=self.device)[None])
+        banned = self.suppress | (rows.at_begin()[..., None] & self.begin_suppress)
+        raw = self.target.model.decoder.logits(st.hidden[s, P:n][None].to(self.dtype)).float()
+        logits = ruled_logits(raw, banned, rows, self.rule_tables, bool(st.timestamps[s]))
+        lp = torch.log_softmax(logits, dim=-1)[0].gather(1, st.tokens[s, P:n][:, None])[:, 0]
+        return float(lp.double().sum())
 

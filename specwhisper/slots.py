@@ -37,12 +37,18 @@ class SeqSpec:
     num_draft_tokens: int | None = None  # fixed k for this row; None: adaptive
     use_draft: bool = True  # False: the draft stands aside for this row
     sot_index: int = 0  # index of <|startoftranscript|> in `prompt` (no-speech probability)
-    need_logprobs: bool = False  # accumulate the log-probabilities of the generated tokens
+    need_logprobs: bool = False  # the sum of the generated tokens' log-probabilities (SeqOutput)
 
     @property
     def plain(self) -> bool:
-        """Plain greedy: the exact (screened) greedy head, no full logits needed."""
-        return self.temperature == 0 and not self.timestamps and not self.need_logprobs
+        """Plain greedy: the exact (screened) greedy head, no full logits needed (a greedy row's
+        log-probabilities are computed when it finishes, `Runner.greedy_logprob`)."""
+        return self.temperature == 0 and not self.timestamps
+
+    @property
+    def ruled_greedy(self) -> bool:
+        """Greedy under the timestamp rules (`choosing.choose_ruled_greedy` with a screened head)."""
+        return self.temperature == 0 and self.timestamps
 
 
 @dataclass
@@ -62,7 +68,7 @@ class Slot:
     """What the runner does with one per-slot tensor."""
 
     dtype: torch.dtype = torch.long
-    shape: tuple[str, ...] = ()  # per-slot shape: "L" positions, "K" proposals, "V" draft vocabulary
+    shape: tuple[str, ...] = ()  # per-slot shape: "L" positions, "K" proposals, "V" draft vocabulary, "D" width
     side: str = "target"  # "target"; "draft": with a drafter; "rejection": with a drafter, rejection sampling
     free: Any = 0  # its value in a free slot (an inert row: done, one pending token, nothing appended)
     moves: bool = True  # per-sequence state, moved with its row (False: scratch of one iteration)
@@ -98,6 +104,9 @@ class SlotState:
     timestamps: torch.Tensor = per_slot(dtype=torch.bool, admit=lambda spec, P: spec.timestamps)
     max_initial_ts: torch.Tensor = per_slot(admit=lambda spec, P: spec.max_initial_timestamp)
     plain: torch.Tensor = per_slot(dtype=torch.bool, admit=lambda spec, P: spec.plain)  # SeqSpec.plain
+    ruled_greedy: torch.Tensor = per_slot(dtype=torch.bool, admit=lambda spec, P: spec.ruled_greedy)
+    # decoder output that predicted the token at each index (greedy rows' log-probabilities)
+    hidden: torch.Tensor = per_slot(dtype=torch.float32, shape=("L", "D"), step=True)
     sum_logprob: torch.Tensor = per_slot(dtype=torch.float64, step=True, admit=zero, output="sum_logprob")
     no_speech: torch.Tensor = per_slot(dtype=torch.float32, admit=zero, output="no_speech_prob")
     drafted: torch.Tensor = per_slot(step=True, admit=zero, output="drafted")
@@ -120,7 +129,7 @@ class SlotState:
 
     @classmethod
     def allocate(cls, slots: int, sizes: dict[str, int], sides: set[str], device) -> SlotState:
-        """`sizes`: the sizes named in the fields' shapes ("L", "K", "V"); `sides`: the sides to
+        """`sizes`: the sizes named in the fields' shapes ("L", "K", "V", "D"); `sides`: the sides to
         allocate ("target" always)."""
         state = cls()
         for f in fields(cls):

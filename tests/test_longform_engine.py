@@ -59,3 +59,26 @@ def test_fallback_is_triggered_and_reproducible(multilingual):
         [(s.tokens, s.temperature, s.start, s.end) for s in b.segments]
     c = Engine(multilingual).transcribe(audio, **{**kw, "seed": 4})
     assert c.tokens != a.tokens
+
+
+@pytest.mark.real
+def test_timestamp_rows_through_the_screened_head_equal_the_full_logits(recording, monkeypatch):
+    """Greedy long-form rows choose through the screened head's timestamp_argmax and get their
+    log-probabilities when the window ends; without a screened head every row takes the full
+    logits: the same segments, tokens and log-probabilities."""
+    from specwhisper.head import ScreenedHead
+
+    engine = Engine(real_folder("base"))
+    calls = []
+    real = ScreenedHead.timestamp_argmax
+    monkeypatch.setattr(ScreenedHead, "timestamp_argmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast = engine.transcribe(recording, language="en", temperature=0.0)
+    assert len(calls) > 50  # the screened path decided this recording's tokens
+    head, engine.target.head = engine.target.head, None
+    try:
+        slow = engine.transcribe(recording, language="en", temperature=0.0)
+    finally:
+        engine.target.head = head
+    assert [(s.tokens, s.start, s.end, s.avg_logprob) for s in fast.segments] == \
+        [(s.tokens, s.start, s.end, s.avg_logprob) for s in slow.segments]
+    assert len(fast.segments) > 5
