@@ -24,9 +24,20 @@
 
 #include <immintrin.h>
 
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -35,6 +46,151 @@ namespace specwhisper_decode {
 namespace {
 
 using bf16 = c10::BFloat16;
+
+// ------------------------------------------------------------------ thread pool
+// Sections started from any thread but the main one run on the ops' own persistent workers, not on
+// OpenMP's. libgomp keeps one pool per thread that starts parallel regions; once two threads
+// have one (the main thread, which loaded the models, and an engine's loop thread), it manages
+// more threads than the CPU has and its idle workers stop spinning, so each of a decode step's
+// ~50 short sections waited ~100 us for a sleeping worker: a step ran at one thread's speed
+// (base, 2 threads: 3.4 ms in the main thread, 7.2 ms in any other; `Engine.submit` and servers
+// decode in a loop thread). These workers serve whichever thread calls, spin ~200 us after a
+// section (a step's sections follow each other closely), then sleep. The main thread keeps
+// OpenMP's pool, whose workers spin after its sections: two spinning pools there (torch's own ops
+// start OpenMP sections in every step) took turns on the cores, 16 ms a step. One caller at a
+// time: a second caller meanwhile (or a call from inside a section) runs its sections itself.
+// Work is split as at::parallel_for splits it, contiguous chunks of the range, one per thread,
+// and each output is computed the same way wherever it is computed.
+class SpinPool {
+ public:
+  static SpinPool& get() {
+    static std::mutex creating;
+    static const bool registered = [] {
+      pthread_atfork(nullptr, nullptr, [] { instance() = nullptr; });  // a fork child has no workers
+      return true;
+    }();
+    (void)registered;
+    std::lock_guard<std::mutex> lock(creating);
+    SpinPool*& pool = instance();
+    if (pool == nullptr) pool = new SpinPool();  // never freed: detached workers use it until exit
+    return *pool;
+  }
+
+  // f(t) for t in [0, n): t = 0 on the calling thread, the rest on workers.
+  void run(int n, const std::function<void(int)>& f) {
+    std::unique_lock<std::mutex> caller(busy_, std::try_to_lock);
+    if (n <= 1 || in_section() || !caller.owns_lock()) {
+      for (int t = 0; t < n; ++t) f(t);
+      return;
+    }
+    while (started_ < n - 1) start_worker();
+    job_ = &f;
+    participants_ = n;
+    error_ = nullptr;
+    // every worker checks in, a task or not: the next section's job is set only after all have
+    // read this one's
+    remaining_.store(started_, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+    in_section() = true;
+    std::exception_ptr mine;
+    try {
+      f(0);
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    in_section() = false;
+    while (remaining_.load(std::memory_order_acquire) > 0) _mm_pause();
+    if (mine) std::rethrow_exception(mine);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  static int& task_id() {
+    static thread_local int id = 0;
+    return id;
+  }
+
+ private:
+  static SpinPool*& instance() {
+    static SpinPool* p = nullptr;
+    return p;
+  }
+  static bool& in_section() {
+    static thread_local bool inside = false;
+    return inside;
+  }
+
+  void start_worker() {  // called by the caller holding busy_, between sections
+    const int id = ++started_;
+    std::thread([this, id, g = generation_.load()] { work(id, g); }).detach();
+  }
+
+  void work(int id, uint64_t seen) {
+    task_id() = id;
+    in_section() = true;  // sections started by a task run on its thread
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        _mm_pause();
+        if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
+          std::unique_lock<std::mutex> lock(sleep_mutex_);
+          sleepers_.fetch_add(1, std::memory_order_acq_rel);
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+      }
+      ++seen;  // one section at a time: the caller waits for every worker before the next
+      if (id < participants_) {
+        try {
+          (*job_)(id);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(sleep_mutex_);
+          if (!error_) error_ = std::current_exception();
+        }
+      }
+      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex busy_;  // held by the one caller whose sections run on the workers
+  std::mutex sleep_mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> remaining_{0};
+  std::atomic<int> sleepers_{0};
+  int started_ = 0;  // workers (changed only by the caller holding busy_)
+  const std::function<void(int)>* job_ = nullptr;
+  int participants_ = 0;
+  std::exception_ptr error_;
+};
+
+// at::parallel_for's contract on SpinPool: f(b, e) over contiguous chunks of [begin, end), at
+// most at::get_num_threads() of them and none smaller than `grain` (except the last).
+inline bool main_thread() { return static_cast<pid_t>(syscall(SYS_gettid)) == getpid(); }
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t range = end - begin;
+  if (range <= 0) return;
+  if (main_thread()) {  // OpenMP's pool of the main thread spins between sections: the fastest there
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunks = std::min(threads, (range + std::max<int64_t>(1, grain) - 1) / std::max<int64_t>(1, grain));
+  if (chunks <= 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t size = (range + chunks - 1) / chunks;
+  SpinPool::get().run(static_cast<int>(chunks), [&](int t) {
+    const int64_t b = begin + t * size, e = std::min(end, b + size);
+    if (b < e) f(b, e);
+  });
+}
 
 constexpr int64_t kNR = 4;  // weight rows per tile (independent FMA chains)
 constexpr int64_t kMR = 3;  // input rows per tile (accumulators: kNR * kMR <= 12 ymm registers)
@@ -252,7 +408,7 @@ void matmul_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, fl
   const int64_t blocks = (N + kNR - 1) / kNR;
   // grain: at least ~64 KB of weights per task so small matrices stay on one thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kNR * K * sizeof(W)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     matmul_range(x, M, K, w, b0 * kNR, std::min(N, b1 * kNR), acc, N, vec);
   });
 }
@@ -518,7 +674,7 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   const int64_t per_chunk = std::max(grain, (blocks + chunks - 1) / chunks);
   const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
   std::vector<float> floors(n_chunks * N, -INFINITY);
-  at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+  parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> lanes(vec ? N * kQB : 0);  // per row: the chunk's best lower bound in 8 lanes
     for (int64_t c = c0; c < c1; ++c) {
       std::fill(lanes.begin(), lanes.end(), -INFINITY);
@@ -557,7 +713,7 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   });
   int64_t* op = out.data_ptr<int64_t>();
   // pass 2 (parallel over rows): candidates and their exact logits
-  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+  parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float floor = -INFINITY;
       for (int64_t c = 0; c < n_chunks; ++c) floor = std::max(floor, floors[c * N + r]);
@@ -607,7 +763,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int level = vector_level();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (kQB * K));
   if (M > 0)
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int8_t* blk = qp + b * kQB * K;
         const int8_t* next = b + 1 < b1 ? blk + kQB * K : blk;
@@ -901,7 +1057,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const auto qs = q.strides(), ks = kc.strides(), vs = vc.strides();
   const bool vec = has_avx2();
-  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / H, h = task % H;
       int64_t n_max = 0;
@@ -1041,7 +1197,8 @@ int64_t set_vector_level(int64_t level) {
 
 int64_t parallel_threads() {
   std::vector<int64_t> seen(std::max<int64_t>(1, at::get_num_threads()), 0);
-  at::parallel_for(0, 1 << 12, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  const bool omp = main_thread();  // which pool runs this thread's sections (see parallel_for)
+  parallel_for(0, 1 << 12, 1, [&](int64_t, int64_t) { seen[omp ? at::get_thread_num() : SpinPool::task_id()] = 1; });
   int64_t n = 0;
   for (int64_t s : seen) n += s;
   return n;

@@ -65,6 +65,41 @@ def test_ops_run_on_every_thread_with_thread_independent_bits():
         torch.set_num_threads(before)
 
 
+def test_ops_in_another_thread_run_on_the_extensions_pool_with_the_same_bits():
+    """Outside the main thread the ops' sections run on their own workers (decode_ops.cpp's
+    SpinPool): two threads, and every result bit-identical to the main thread's, also with
+    several threads calling at once (one of them then computes alone)."""
+    import threading
+
+    gen = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(4099, 512, generator=gen), torch.randn(5, 512, generator=gen)
+    head = ScreenedHead(torch.randn(8000, 512, generator=gen))
+    expected = (cpu_ops.linear(x, weight), head.argmax(x))
+    seen, errors = [], []
+
+    def work():
+        try:
+            with torch.inference_mode():
+                for _ in range(20):
+                    seen.append((cpu_ops._ops().parallel_threads(), cpu_ops.linear(x, weight), head.argmax(x)))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        torch.set_num_threads(before)
+    assert not errors and len(seen) == 60
+    assert max(n for n, _, _ in seen) == 2
+    assert all(torch.equal(a, expected[0]) and torch.equal(b, expected[1]) for _, a, b in seen)
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_every_vector_level_gives_the_same_bits(wdtype):
     """The scalar, AVX2 and AVX-512 forms of the ops compute the same operations in the same
