@@ -1,7 +1,7 @@
 """The engine facade: `transcribe` (blocking) and `submit` (a Future), one decode loop for all.
 
 Every request joins one running batch, whose iterations one thread at a time runs: the caller of
-`transcribe` when no other thread is decoding (one thread, one OpenMP pool), else the thread
+`transcribe` when no other thread is decoding, else the thread
 decoding already (a caller, or the engine's loop thread, which `submit` starts and which takes
 over what callers leave):
 `scheduler.schedule()` (admit waiting windows into free slots) -> `speculation.begin()` (this
@@ -198,10 +198,10 @@ class Engine:
     def _wait(self, futures) -> None:
         """Return when `futures` are done. background=False: this thread runs the iterations.
         Otherwise this thread runs them itself when no loop thread is running and no other
-        caller is driving (a single caller then decodes in its own thread: a second thread doing
-        the work brings a second OpenMP pool, and two pools on a small CPU made every step ≈ 35%
-        slower on 2 cores), and hands what is left of other callers' work to a loop thread when
-        its own is done; else the thread that is driving decodes this request too."""
+        caller is driving (a single caller then decodes in its own thread, with no hand-over;
+        the C++ ops are as fast in any thread, see decode_ops.cpp's SpinPool), and hands what is
+        left of other callers' work to a loop thread when its own is done; else the thread that
+        is driving decodes this request too."""
         if not self.background:
             self.run_until(futures)
             return
