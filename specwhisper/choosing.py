@@ -96,6 +96,26 @@ def choose_ruled_greedy(head, logits_fn: Callable[[torch.Tensor], torch.Tensor],
     return tokens.view(B, T)
 
 
+def kept_logprob(state: SlotState, s: int, logits_fn: Callable[[torch.Tensor], torch.Tensor], dtype,
+                 suppress: torch.Tensor, begin_suppress: torch.Tensor, tables: rules.RuleTables) -> float:
+    """The sum of slot `s`'s generated tokens' log-probabilities (EOT included), from the decoder
+    outputs kept as they were emitted (`SlotState.hidden`): the logits under Whisper's rules that a
+    full row's choice would have used, in one product over the whole row. A greedy row's tokens
+    never needed them (its choice is an argmax, through the screened head on a CPU), so its passes
+    skip the full head; `suppress`/`begin_suppress` are the target's banned tokens as its passes
+    masked them."""
+    n, P = int(state.n_tokens[s]), int(state.prompt_len[s])
+    if n <= P:
+        return 0.0
+    device = state.tokens.device
+    rows = Rows(state, torch.tensor([s], device=device), torch.arange(P, n, device=device)[None])
+    banned = suppress | (rows.at_begin()[..., None] & begin_suppress)
+    raw = logits_fn(state.hidden[s, P:n][None].to(dtype)).float()
+    logits = ruled_logits(raw, banned, rows, tables, bool(state.timestamps[s]))
+    lp = torch.log_softmax(logits, dim=-1)[0].gather(1, state.tokens[s, P:n][:, None])[:, 0]
+    return float(lp.double().sum())
+
+
 def timestamp_rules(logits: torch.Tensor, rows: Rows, tables: rules.RuleTables) -> torch.Tensor:
     """Whisper's timestamp rules at every position [B, T] of a pass, each position given its own
     prefix: the row's tokens, then the proposed tokens before it. Returns new logits [B, T, V]."""

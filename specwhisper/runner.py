@@ -44,7 +44,7 @@ import torch
 
 from . import rules, sampling
 from .backends import backend_for
-from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens, ruled_logits
+from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens, kept_logprob
 from .constants import MAX_DRAFT_TOKENS as MAX_K
 from .draft import Drafter, greedy_tokens
 from .drafting import DraftSide
@@ -408,20 +408,8 @@ class Runner:
 
     @torch.inference_mode()
     def greedy_logprob(self, s: int) -> float:
-        """The sum of a greedy row's generated tokens' log-probabilities (EOT included), from the
-        decoder outputs kept as they were emitted: the logits under Whisper's rules that a full
-        row's choice would have used, one product over the whole row. A greedy row's tokens never
-        needed them (its choice is an argmax, through the screened head on a CPU), so its passes
-        skip the full head."""
-        st = self.state
-        n, P = int(st.n_tokens[s]), int(st.prompt_len[s])
-        if n <= P:
-            return 0.0
-        slot = torch.tensor([s], device=self.device)
-        rows = Rows(st, slot, torch.arange(P, n, device=self.device)[None])
-        banned = self.suppress | (rows.at_begin()[..., None] & self.begin_suppress)
-        raw = self.target.model.decoder.logits(st.hidden[s, P:n][None].to(self.dtype)).float()
-        logits = ruled_logits(raw, banned, rows, self.rule_tables, bool(st.timestamps[s]))
-        lp = torch.log_softmax(logits, dim=-1)[0].gather(1, st.tokens[s, P:n][:, None])[:, 0]
-        return float(lp.double().sum())
+        """The sum of slot `s`'s generated tokens' log-probabilities, a greedy row's
+        (`choosing.kept_logprob`: its passes skipped the full head)."""
+        return kept_logprob(self.state, s, self.target.model.decoder.logits, self.dtype, self.suppress,
+                            self.begin_suppress, self.rule_tables)
 
