@@ -169,7 +169,10 @@ class SpinPool {
 
 // at::parallel_for's contract on SpinPool: f(b, e) over contiguous chunks of [begin, end), at
 // most at::get_num_threads() of them and none smaller than `grain` (except the last).
-inline bool main_thread() { return static_cast<pid_t>(syscall(SYS_gettid)) == getpid(); }
+inline bool main_thread() {
+  static thread_local const bool main = static_cast<pid_t>(syscall(SYS_gettid)) == getpid();
+  return main;
+}
 
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
