@@ -29,7 +29,7 @@ class Modes(NamedTuple):
     any_full: bool  # a row that needs full logits (sampled; greedy timestamps without a screened head)
     any_timestamps: bool  # a row under the timestamp rules
     any_sampled: bool  # a row sampled at a temperature above 0
-    any_ruled: bool = False  # a greedy row under the timestamp rules, through the screened head
+    any_ruled: bool  # a greedy row under the timestamp rules, through the screened head
 
 
 @dataclass
@@ -44,8 +44,14 @@ class Rows:
     predicted: torch.Tensor  # [B, T] index, in the row's target tokens, of the token position t predicts
     proposed: torch.Tensor | None = None  # [B, j] tokens at indices n_tokens.. (None: none)
 
-    def subset_proposed(self, sel: torch.Tensor) -> torch.Tensor | None:
-        return None if self.proposed is None else self.proposed[sel]
+    def subset(self, sel: torch.Tensor) -> Rows:
+        """The rows `sel` [n] (indices into this pass's rows)."""
+        return Rows(self.state, self.slots[sel], self.predicted[sel], None if self.proposed is None else self.proposed[sel])
+
+    def banned_first(self, suppress: torch.Tensor, begin_suppress: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] bool: `suppress`, and `begin_suppress` where a position predicts its row's
+        first generated token."""
+        return suppress | (self.at_begin()[..., None] & begin_suppress)
 
     def at_begin(self) -> torch.Tensor:
         """[B, T] bool: the position predicts the row's first generated token."""
@@ -109,7 +115,7 @@ def kept_logprob(state: SlotState, s: int, logits_fn: Callable[[torch.Tensor], t
         return 0.0
     device = state.tokens.device
     rows = Rows(state, torch.tensor([s], device=device), torch.arange(P, n, device=device)[None])
-    banned = suppress | (rows.at_begin()[..., None] & begin_suppress)
+    banned = rows.banned_first(suppress, begin_suppress)
     raw = logits_fn(state.hidden[s, P:n][None].to(dtype)).float()
     logits = ruled_logits(raw, banned, rows, tables, bool(state.timestamps[s]))
     lp = torch.log_softmax(logits, dim=-1)[0].gather(1, state.tokens[s, P:n][:, None])[:, 0]

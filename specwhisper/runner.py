@@ -238,18 +238,17 @@ class Runner:
         tiny data)."""
         T = hidden.shape[1]
         rows = Rows(self.state, slots, index[:, None] + 1 + torch.arange(T, device=self.device), proposals)
-        banned = self.suppress | (rows.at_begin()[..., None] & self.begin_suppress) if first else self.suppress
+        banned = rows.banned_first(self.suppress, self.begin_suppress) if first else self.suppress
         logits_fn = self.target.model.decoder.logits
+        greedy, timestamps = self.state.temperature[slots] == 0, self.state.timestamps[slots]
         choice = greedy_tokens(self.target, self.target.head, hidden, banned) if modes.any_plain else None
         if modes.any_ruled:
-            ruled = self.state.ruled_greedy[slots]
+            ruled = greedy & timestamps
             if choice is None and bool(ruled.all()):
                 choice = choose_ruled_greedy(self.target.head, logits_fn, hidden, rows, self.rule_tables)
             else:
                 sel = ruled.nonzero()[:, 0]
-                picked = choose_ruled_greedy(self.target.head, logits_fn, hidden[sel],
-                                             Rows(self.state, slots[sel], rows.predicted[sel], rows.subset_proposed(sel)),
-                                             self.rule_tables)
+                picked = choose_ruled_greedy(self.target.head, logits_fn, hidden[sel], rows.subset(sel), self.rule_tables)
                 choice = torch.zeros(hidden.shape[:2], dtype=torch.long, device=self.device) if choice is None else choice
                 choice[sel] = picked
         if not modes.any_full:
@@ -257,7 +256,7 @@ class Runner:
         raced, logits = choose_tokens(logits_fn, hidden, banned, rows, self.rule_tables, modes.any_timestamps)
         if choice is None:
             return raced, logits
-        screened = self.state.plain[slots] | (self.state.ruled_greedy[slots] & modes.any_ruled)
+        screened = greedy & (~timestamps | modes.any_ruled)  # SeqSpec.plain, or ruled_greedy when screened
         return torch.where(screened[:, None], choice, raced), logits
 
     # ---------------------------------------------------------------- one iteration

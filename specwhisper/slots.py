@@ -103,8 +103,6 @@ class SlotState:
     row_k: torch.Tensor = per_slot(admit=lambda spec, P: spec.num_draft_tokens or 0)  # fixed k (0: adaptive)
     timestamps: torch.Tensor = per_slot(dtype=torch.bool, admit=lambda spec, P: spec.timestamps)
     max_initial_ts: torch.Tensor = per_slot(admit=lambda spec, P: spec.max_initial_timestamp)
-    plain: torch.Tensor = per_slot(dtype=torch.bool, admit=lambda spec, P: spec.plain)  # SeqSpec.plain
-    ruled_greedy: torch.Tensor = per_slot(dtype=torch.bool, admit=lambda spec, P: spec.ruled_greedy)
     # decoder output that predicted the token at each index (greedy rows' log-probabilities)
     hidden: torch.Tensor = per_slot(dtype=torch.float32, shape=("L", "D"), step=True)
     sum_logprob: torch.Tensor = per_slot(dtype=torch.float64, step=True, admit=zero, output="sum_logprob")
