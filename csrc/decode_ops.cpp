@@ -198,11 +198,12 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 constexpr int64_t kNR = 4;  // weight rows per tile (independent FMA chains)
 constexpr int64_t kMR = 3;  // input rows per tile (accumulators: kNR * kMR <= 12 ymm registers)
 
-// Vector level: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (F, DQ) for the int8 screen. The detected
+// Vector level: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (F, DQ, BW). The detected
 // level can be lowered (`set_vector_level`) so tests compare every path on one machine.
 int detected_level() {
   static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 0
-                           : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) ? 2 : 1;
+                           : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                              __builtin_cpu_supports("avx512bw")) ? 2 : 1;
   return level;
 }
 int g_level_limit = 2;
@@ -594,6 +595,167 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_rows512(const float
   }
 }
 
+// ---- the screen's integer products (spec: head.py `ScreenedHead.approx`)
+// A row h is quantized once to 16-bit integers p = round(h / s_h), s_h = max|h| / R, and the
+// screen's products P_v = q_v . p are exact int32 sums (R keeps |P| < 2^31 for any K: q16_range),
+// so every vector level and the reference get the same P (any order of summation) and the same
+// approximate logit fl(fl(P) * fl(s_v * s_h)). 16-bit multiply-adds do 16 products per
+// instruction against 8 for float32 FMAs after a widening of the int8 weights: with several rows
+// (a verify pass) the AVX2 screen was bound by arithmetic, not by its 26 MB of int8 weights.
+int64_t q16_range(int64_t K) { return std::min<int64_t>(32767, int64_t{2147483647} / (127 * std::max<int64_t>(1, K))); }
+
+// p [N, K] and s_h [N] from h [N, K] float32: s_h = fl(max|h| / R), p = round-half-even(fl(h / s_h))
+// (torch's float32 division and round); a zero row gives s_h = 0, p = 0; a row with a NaN or an
+// infinity gives s_h = NaN (its approximate logits are NaN, so it keeps no candidate).
+void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh) {
+  const float range = static_cast<float>(q16_range(K));
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = h + r * K;
+    float mx = 0.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(x[k]);
+      mx = std::max(mx, std::fabs(x[k]));
+    }
+    int16_t* q = p + r * K;
+    if (!finite || mx == 0.0f) {
+      sh[r] = finite ? 0.0f : NAN;
+      std::fill(q, q + K, int16_t{0});
+      continue;
+    }
+    const float s = mx / range;
+    sh[r] = s;
+    for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(x[k] / s));
+  }
+}
+
+// out[m, j] = float(P) for MR input rows (16-bit, row stride K) and the 8 rows of one int8 block:
+// a 16-byte load holds rows 2j and 2j+1 (8 features each), widened to 16 bits and multiplied by the
+// row's 8 features in both halves; lanes 0-3 sum row 2j, lanes 4-7 row 2j+1. PF: prefetch the next block.
+template <int MR, bool PF>
+__attribute__((target("avx2,fma"))) void q16_block(const int16_t* x, int64_t K, const int8_t* blk, float* out,
+                                                   int64_t ldo, const int8_t* next) {
+  __m256i acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 8) {
+    const int8_t* p = blk + k * kQB;
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);
+    __m256i xv[MR];
+    for (int i = 0; i < MR; ++i)
+      xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(w, xv[i]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int32_t l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
+      out[i * ldo + 2 * j] = static_cast<float>((l[0] + l[1]) + (l[2] + l[3]));
+      out[i * ldo + 2 * j + 1] = static_cast<float>((l[4] + l[5]) + (l[6] + l[7]));
+    }
+}
+
+// Every row against one int8 block, 3 rows at a time; the first group prefetches the next block.
+__attribute__((target("avx2,fma"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
+                                                  const int8_t* next, float* out, int64_t ldo) {
+  for (int64_t m = 0; m < M; m += 3) {
+    const int64_t rows = std::min<int64_t>(3, M - m);
+    const int16_t* xm = x + m * K;
+    float* o = out + m * ldo;
+    if (m == 0) {
+      if (rows == 1) q16_block<1, true>(xm, K, blk, o, ldo, next);
+      else if (rows == 2) q16_block<2, true>(xm, K, blk, o, ldo, next);
+      else q16_block<3, true>(xm, K, blk, o, ldo, next);
+    } else {
+      if (rows == 1) q16_block<1, false>(xm, K, blk, o, ldo, next);
+      else if (rows == 2) q16_block<2, false>(xm, K, blk, o, ldo, next);
+      else q16_block<3, false>(xm, K, blk, o, ldo, next);
+    }
+  }
+}
+
+// The same products with AVX-512 (BW): a 32-byte load holds rows 4h..4h+3 of the block, lanes 4r..4r+3
+// sum row 4h+r. Q16_ACC: 16-bit multiply-adds into int32 lanes (AVX512-VNNI: one instruction).
+#define Q16_BLOCK512(NAME, TARGET, Q16_ACC)                                                                 \
+  template <int MR, bool PF>                                                                                \
+  __attribute__((target(TARGET))) void NAME(const int16_t* x, int64_t K, const int8_t* blk, float* out,     \
+                                            int64_t ldo, const int8_t* next) {                              \
+    __m512i acc[MR][2];                                                                                     \
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();                            \
+    for (int64_t k = 0; k < K; k += 8) {                                                                    \
+      const int8_t* p = blk + k * kQB;                                                                      \
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);                     \
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));      \
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))); \
+      for (int i = 0; i < MR; ++i) {                                                                        \
+        const __m512i xv =                                                                                  \
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));       \
+        acc[i][0] = Q16_ACC(acc[i][0], w0, xv);                                                             \
+        acc[i][1] = Q16_ACC(acc[i][1], w1, xv);                                                             \
+      }                                                                                                     \
+    }                                                                                                       \
+    for (int i = 0; i < MR; ++i)                                                                            \
+      for (int h = 0; h < 2; ++h) {                                                                         \
+        alignas(64) int32_t l[16];                                                                          \
+        _mm512_store_si512(reinterpret_cast<__m512i*>(l), acc[i][h]);                                       \
+        for (int r = 0; r < 4; ++r)                                                                         \
+          out[i * ldo + 4 * h + r] =                                                                        \
+              static_cast<float>((l[4 * r] + l[4 * r + 1]) + (l[4 * r + 2] + l[4 * r + 3]));                \
+      }                                                                                                     \
+  }
+#define Q16_MADD(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
+#define Q16_DPWSSD(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
+Q16_BLOCK512(q16_block512, "avx512f,avx512bw,avx512dq,avx2,fma", Q16_MADD)
+Q16_BLOCK512(q16_block512_vnni, "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma", Q16_DPWSSD)
+#undef Q16_BLOCK512
+#undef Q16_MADD
+#undef Q16_DPWSSD
+
+// Every row against one int8 block, 6 rows at a time; the first group prefetches the next block.
+template <bool VNNI, int MR>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma"))) inline void q16_group512(
+    const int16_t* x, int64_t K, const int8_t* blk, float* out, int64_t ldo, const int8_t* next, bool pf) {
+  if (VNNI) {
+    if (pf) q16_block512_vnni<MR, true>(x, K, blk, out, ldo, next);
+    else q16_block512_vnni<MR, false>(x, K, blk, out, ldo, next);
+  } else {
+    if (pf) q16_block512<MR, true>(x, K, blk, out, ldo, next);
+    else q16_block512<MR, false>(x, K, blk, out, ldo, next);
+  }
+}
+
+template <bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma"))) void q16_rows512(
+    const int16_t* x, int64_t M, int64_t K, const int8_t* blk, const int8_t* next, float* out, int64_t ldo) {
+  for (int64_t m = 0; m < M; m += 6) {
+    const int16_t* xm = x + m * K;
+    float* o = out + m * ldo;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 1: q16_group512<VNNI, 1>(xm, K, blk, o, ldo, next, m == 0); break;
+      case 2: q16_group512<VNNI, 2>(xm, K, blk, o, ldo, next, m == 0); break;
+      case 3: q16_group512<VNNI, 3>(xm, K, blk, o, ldo, next, m == 0); break;
+      case 4: q16_group512<VNNI, 4>(xm, K, blk, o, ldo, next, m == 0); break;
+      case 5: q16_group512<VNNI, 5>(xm, K, blk, o, ldo, next, m == 0); break;
+      default: q16_group512<VNNI, 6>(xm, K, blk, o, ldo, next, m == 0); break;
+    }
+  }
+}
+
+bool has_vnni() {
+  static const bool v = __builtin_cpu_supports("avx512vnni");
+  return v;
+}
+
+float q16_dot_scalar(const int16_t* x, int64_t K, const int8_t* blk, int j) {
+  int32_t s = 0;
+  for (int64_t k = 0; k < K; k += 8)
+    for (int l = 0; l < 8; ++l) s += int32_t{blk[k * kQB + 8 * j + l]} * int32_t{x[k + l]};
+  return static_cast<float>(s);
+}
+
 float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t k = 0; k < K; k += 8)
@@ -609,11 +771,11 @@ __attribute__((target("avx2,fma"))) inline __m256 banned_mask(const bool* bn) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, _mm256_setzero_si256()));
 }
 
-// Scales the approximate logits a[0..7] in place (a * s) and raises fl[0..7] to their lower
+// Scales the products a[0..7] in place to approximate logits a * (s * sh) and raises fl[0..7] to their lower
 // bounds a - (hn * c + tiny), banned tokens skipped; a NaN bound keeps fl, like std::max(fl, bound).
-__attribute__((target("avx2,fma"))) inline void screen8_floor(float* a, const float* s, const float* c, float hn,
-                                                              float tiny, const bool* bn, float* fl) {
-  const __m256 av = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(s));
+__attribute__((target("avx2,fma"))) inline void screen8_floor(float* a, const float* s, float sh, const float* c,
+                                                              float hn, float tiny, const bool* bn, float* fl) {
+  const __m256 av = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(sh)));
   _mm256_storeu_ps(a, av);
   const __m256 b = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(hn), _mm256_loadu_ps(c)), _mm256_set1_ps(tiny));
   __m256 lower = _mm256_sub_ps(av, b);
@@ -657,8 +819,13 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   }
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
   if (N == 0) return out;
+  TORCH_CHECK(K <= 65536, "screened_argmax: at most 65536 features");
   at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
   at::Tensor approx = at::empty({N, blocks * kQB}, h.options());
+  std::vector<int16_t> hq(N * K);  // the rows in 16 bits, and their scales (quantize_rows16)
+  std::vector<float> hs(N);
+  quantize_rows16(h.data_ptr<float>(), N, K, hq.data(), hs.data());
+  const int16_t* xq = hq.data();
   const float* hp = h.data_ptr<float>();
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -669,6 +836,7 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   const int64_t ld = blocks * kQB;
   const bool vec = has_avx2();
   const bool wide = vector_level() >= 2 && (N > 1 || wide_single_row);
+  const bool vnni = wide && has_vnni();
   const float tiny_f = static_cast<float>(tiny);
   // pass 1 (parallel over vocabulary blocks): approximate logits, and each chunk's best lower
   // bound per row
@@ -685,25 +853,27 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
       for (int64_t b = c * per_chunk; b < b_end; ++b) {
         const int8_t* blk = qp + b * kQB * K;
         float* o = ap + b * kQB;
+        const int8_t* next = b + 1 < blocks ? blk + kQB * K : blk;
         if (wide) {
-          q8_rows512(hp, N, K, blk, b + 1 < blocks ? blk + kQB * K : blk, o, ld);
+          if (vnni) q16_rows512<true>(xq, N, K, blk, next, o, ld);
+          else q16_rows512<false>(xq, N, K, blk, next, o, ld);
         } else if (vec) {
-          q8_rows(hp, N, K, blk, b + 1 < blocks ? blk + kQB * K : blk, o, ld);
+          q16_rows(xq, N, K, blk, next, o, ld);
         } else {
           for (int64_t m = 0; m < N; ++m)
-            for (int j = 0; j < kQB; ++j) o[m * ld + j] = q8_dot_scalar(hp + m * K, K, blk, j);
+            for (int j = 0; j < kQB; ++j) o[m * ld + j] = q16_dot_scalar(xq + m * K, K, blk, j);
         }
         for (int64_t r = 0; r < N; ++r) {
           const bool* bn = bp ? bp + r * banned_stride : nullptr;
           const int64_t v0 = b * kQB;
           if (vec && v0 + kQB <= V) {
-            screen8_floor(ap + r * ld + v0, sp + v0, cp + v0, hn[r], tiny_f, bn ? bn + v0 : nullptr,
+            screen8_floor(ap + r * ld + v0, sp + v0, hs[r], cp + v0, hn[r], tiny_f, bn ? bn + v0 : nullptr,
                           lanes.data() + r * kQB);
             continue;
           }
           float& fl = floors[c * N + r];
           for (int64_t v = v0; v < std::min(V, v0 + kQB); ++v) {
-            const float a = ap[r * ld + v] * sp[v];
+            const float a = ap[r * ld + v] * (sp[v] * hs[r]);
             ap[r * ld + v] = a;
             if (bn && bn[v]) continue;
             fl = std::max(fl, a - (hn[r] * cp[v] + tiny_f));

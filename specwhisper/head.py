@@ -7,24 +7,29 @@ then a rigorous bound on each approximate logit's distance to the exact one sele
 *candidates*, whose exact logits are recomputed from the float32 rows. Their argmax is the answer.
 
 The int8 copy. Row v of the weights is stored as q_v = round(w_v / s_v) with s_v = max|w_v| / 127
-(float32), and the approximate logit is ã_v = s_v · (q_v · h), a float32 sum in any order.
+(float32). A hidden row h is quantized once to 16-bit integers p = round(fl(h / s_h)) with
+s_h = fl(max|h| / R), R = `q16_range(K)` (≤ 32767, small enough that |q_v · p| < 2^31), so the
+screen's products P_v = q_v · p are exact integer sums (16 products per AVX2 instruction, any
+order, the same at every vector level), and the approximate logit is ã_v = fl(fl(P_v) · fl(s_v s_h)).
 
 The bound. With l_v = w_v · h the exact float32-computed logit (`cpu_ops.gather_dot`'s
-arithmetic) and γ_K = K·2^-24 / (1 − K·2^-24) the error factor of a float32 sum of K products
-in any order (u = 2^-24):
+arithmetic), γ_K = K·2^-24 / (1 − K·2^-24) the error factor of a float32 sum of K products in any
+order (u = 2^-24) and e = s_h p − h the rounding of h (|e_i| ≤ s_h/2 + |h_i| u ≤ max|h| ε with
+ε = (1 + u)/(2R) + u, so ‖e‖ ≤ √K ε ‖h‖):
 
     |ã_v − l_v| ≤ |(s_v q_v − w_v) · h|              (the rounding to int8)
-                + (γ_K + 2u) s_v Σ|q_vi h_i|            (ã's float32 sum and its scaling)
+                + s_v |q_v · e|                         (the rounding of h to 16 bits)
+                + 4u s_v |q_v · s_h p|                  (three float32 roundings of ã)
                 + γ_K Σ|w_vi h_i|                      (l's float32 sum)
-              ≤ (‖s_v q_v − w_v‖ + (γ_K + 2u) s_v ‖q_v‖ + γ_K ‖w_v‖) · ‖h‖ = c_v ‖h‖
+              ≤ (‖s_v q_v − w_v‖ + s_v ‖q_v‖ (√K ε + 4u (1 + √K ε)) + γ_K ‖w_v‖) · ‖h‖ = c_v ‖h‖
 
-by Cauchy–Schwarz. c_v is computed once in float64 from the actual rounding errors (not a
-worst case: ≈ 2.5× the bfloat16 worst-case bound, so on real hidden states a row has ≈ 1.3
-candidates, 7 at most on our test windows) and stored with a factor (1 + 2^-12) that covers the
-float32 rounding of ‖h‖ and of the bound's own product; + TINY covers underflow. Comparisons
-need no margin: rounding is monotone, so fl(ã_v + b_v) ≥ l_v and fl(ã_w − b_w) ≤ l_w. A token is
-a candidate when its upper bound reaches the best lower bound over the row; the true argmax
-always is one.
+by Cauchy–Schwarz (and ‖s_h p‖ ≤ ‖h‖ + ‖e‖). c_v is computed once in float64 from the actual
+rounding errors (not a worst case: ≈ 2.5× the bfloat16 worst-case bound, so on real hidden states
+a row has ≈ 1.3 candidates, 7 at most on our test windows; the 16-bit term adds < 1% for base) and
+stored with a factor (1 + 2^-12) that covers the float32 rounding of ‖h‖ and of the bound's own
+product; + TINY covers underflow. Comparisons need no margin: rounding is monotone, so
+fl(ã_v + b_v) ≥ l_v and fl(ã_w − b_w) ≤ l_w. A token is a candidate when its upper bound reaches
+the best lower bound over the row; the true argmax always is one.
 
 In PyTorch (`argmax_reference`) the candidates are the top `MAX_CANDIDATES` upper bounds per row
 (checked: the next upper bound must fall below the row's best lower bound, else that row falls
@@ -47,6 +52,25 @@ BLOCK = 8  # vocabulary rows per block of the packed int8 copy
 TIMESTAMP_MARGIN = 1e-3
 
 
+def q16_range(K: int) -> int:
+    """R: hidden rows are quantized to integers in [-R, R], so that 127 · R · K < 2^31 (the
+    screen's int32 sums cannot overflow); the C++ op computes the same."""
+    return min(32767, (2**31 - 1) // (127 * max(1, K)))
+
+
+def quantize_rows(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [N, K] float32 -> (p [N, K] integer-valued float32 in [-R, R], s_h [N] float32):
+    s_h = fl(max|h| / R), p = round-half-even(fl(h / s_h)); a zero row gives s_h = 0 and p = 0, a
+    row with a NaN or an infinity s_h = NaN (no candidates), as the C++ op does."""
+    hidden = hidden.float()
+    mx = hidden.abs().amax(dim=1)
+    finite = hidden.isfinite().all(dim=1)
+    sh = mx / q16_range(hidden.shape[1])
+    p = (hidden / torch.where(sh > 0, sh, 1.0)[:, None]).round()
+    p = p.masked_fill_(~(finite & (sh > 0))[:, None], 0.0)
+    return p, torch.where(finite, sh, float("nan"))
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [V, K] float32 -> (q int8 [V, K], s float32 [V], c float32 [V]): the int8 copy and
     the bound per unit ‖h‖ (see the module docstring), rounded up."""
@@ -55,9 +79,11 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     s = (w.abs().amax(dim=1) / 127).float()
     s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 exactly
     q = (w / s.double()[:, None]).round().clamp(-127, 127)
-    gamma = K * FP32_ROUNDOFF / (1 - K * FP32_ROUNDOFF)
+    u = FP32_ROUNDOFF
+    gamma = K * u / (1 - K * u)
+    e16 = K**0.5 * ((1 + u) / (2 * q16_range(K)) + u)  # ‖e‖ / ‖h‖ for the 16-bit rows
     sq = s.double()[:, None] * q
-    c = ((w - sq).norm(dim=1) + (gamma + 2 * FP32_ROUNDOFF) * sq.norm(dim=1) + gamma * w.norm(dim=1))
+    c = ((w - sq).norm(dim=1) + (e16 + 4 * u * (1 + e16)) * sq.norm(dim=1) + gamma * w.norm(dim=1))
     c = (c * (1 + 2.0**-12)).float()
     c = torch.nextafter(c, torch.full_like(c, float("inf")))  # rounded up, not to nearest
     return q.to(torch.int8), s, c
@@ -102,8 +128,11 @@ class ScreenedHead:
         return self.argmax_reference(hidden, banned)
 
     def approx(self, hidden: torch.Tensor) -> torch.Tensor:
-        """ã [N, V] (float32 GEMM with the int8 copy, then the row scales)."""
-        return (hidden.float() @ self.int8_weights().float().T) * self.scale
+        """ã [N, V]: the exact integer products of the 16-bit rows and the int8 copy (float64 sums
+        of integers below 2^31: exact), then fl(fl(P) · fl(s_v · s_h)), as the C++ op computes them."""
+        p, sh = quantize_rows(hidden)
+        products = (p.double() @ self.int8_weights().double().T).float()
+        return products * (self.scale[None, :] * sh[:, None])
 
     def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         hidden = hidden.float()

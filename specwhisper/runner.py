@@ -218,7 +218,8 @@ class Runner:
         return Modes(any(sp.plain for sp in specs),
                      any(sp.temperature > 0 or (sp.ruled_greedy and not screened) for sp in specs),
                      any(sp.timestamps for sp in specs), any(sp.temperature > 0 for sp in specs),
-                     screened and any(sp.ruled_greedy for sp in specs))
+                     screened and any(sp.ruled_greedy for sp in specs),
+                     any(sp.need_logprobs and sp.temperature == 0 for sp in specs))
 
     def choose(self, hidden: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
                modes: Modes, proposals: torch.Tensor | None = None, first: bool = False):
@@ -326,7 +327,7 @@ class Runner:
                 n_acc = torch.where(sampled, accepted, n_acc)
             valid = (proposals >= 0).sum(dim=1)
             live = ~self.state.done[:B]
-        emitted = self.commit_target(slots, choice, n_acc + 1, logits, hidden)
+        emitted = self.commit_target(slots, choice, n_acc + 1, logits, hidden if modes.keep_hidden else None)
         if k > 0:
             # proposals past a row's end (EOT or budget) were never needed: not counted
             self.state.drafted[:B] += torch.where(live, torch.where(self.state.done[:B], torch.minimum(valid, emitted), valid), 0)
@@ -340,12 +341,12 @@ class Runner:
         return self.state.n_tokens[:B]
 
     def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor,
-                      logits: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+                      logits: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
         """Append the first `n_emit` choices of each row (cut at EOT and the budget) -> the number
         appended [B]; the sampled rows' log-probabilities under `logits` [B, T, V] (full rows;
         None: none) add to their sums, and the decoder output `hidden` [B, T, d] that predicted
-        each appended token is kept (a greedy row's log-probabilities, `greedy_logprob`). Done rows
-        append nothing."""
+        each appended token is kept (a greedy row's log-probabilities, `greedy_logprob`; None: no
+        row of the pass wants them). Done rows append nothing."""
         T = choice.shape[1]
         n = self.state.n_tokens[slots]
         t = torch.arange(T, device=self.device)
@@ -357,8 +358,9 @@ class Runner:
         idx = n[:, None] + t[None]
         old = self.state.tokens[slots].gather(1, idx)
         self.state.tokens[slots[:, None], idx] = torch.where(keep, choice, old)
-        self.state.hidden[slots[:, None], idx] = torch.where(keep[..., None], hidden.float(),
-                                                             self.state.hidden[slots[:, None], idx])
+        if hidden is not None:
+            self.state.hidden[slots[:, None], idx] = torch.where(keep[..., None], hidden.float(),
+                                                                 self.state.hidden[slots[:, None], idx])
         if logits is not None:
             lp = torch.log_softmax(logits, dim=-1).gather(2, choice[..., None]).squeeze(2).double()  # [B, T]
             sampled = self.state.temperature[slots] > 0

@@ -58,12 +58,46 @@ def test_bound_is_rigorous(K):
     weight[::7] *= torch.rand(K, generator=gen) ** 4 * 30  # rows with outliers: coarse int8 steps
     head = ScreenedHead(weight)
     hidden = torch.randn(16, K, generator=gen)
+    hidden[::3] *= torch.rand(K, generator=gen) ** 6 * 50  # outliers: coarse 16-bit steps for the rest
+    hidden[1, 0] = 1e4  # one huge feature: every other one rounds to a few 16-bit steps
     approx = head.approx(hidden)
     exact = cpu_ops.linear(hidden, weight, None, torch.float32)
     bound = hidden.norm(dim=1, keepdim=True) * head.bound + TINY
     err = (approx - exact).abs()
     assert (err <= bound).all()
     assert (bound / err.clamp(min=1e-30)).min() < 20
+
+
+def test_products_at_the_int32_limit():
+    """The 16-bit range R shrinks with K so that 127 · R · K < 2^31: at K = 4096 every product
+    at its extreme (q = 127, p = R) sums to 2 147 352 576 without overflowing, and a wrong sign
+    anywhere would change the argmax."""
+    from specwhisper.head import q16_range
+
+    K = 4096
+    assert 127 * q16_range(K) * K < 2**31 <= 127 * (q16_range(K) + 1) * K
+    weight = torch.full((16, K), 1.0)
+    weight[3] = -1.0
+    weight[9, : K // 2] = 0.5  # smaller, not the winner
+    head = ScreenedHead(weight)
+    hidden = torch.stack([torch.ones(K), -torch.ones(K)])
+    expected = full_argmax(weight, hidden, torch.zeros(16, dtype=torch.bool))
+    assert expected.tolist() == [0, 3]
+    assert torch.equal(head.argmax(hidden), expected)
+
+
+def test_rows_with_nan_or_zero_are_handled():
+    """A zero row has every logit 0 (token 0 wins the tie); a row with a NaN keeps no candidate
+    (token 0, like the old screen) and does not disturb the other rows."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(100, 64, generator=gen)
+    head = ScreenedHead(weight)
+    hidden = torch.randn(3, 64, generator=gen)
+    hidden[0] = 0.0
+    hidden[1, 5] = float("nan")
+    out = head.argmax(hidden)
+    assert out[0] == 0 and out[1] == 0
+    assert out[2] == full_argmax(weight, hidden[2:], torch.zeros(100, dtype=torch.bool))[0]
 
 
 def test_near_ties_that_int8_cannot_separate():
