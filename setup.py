@@ -11,7 +11,9 @@
 from setuptools import setup
 
 setup(
-    packages=["specwhisper", "specwhisper.backends", "specwhisper.kernels", "specwhisper.csrc", "specwhisper.samples"],
+    packages=["specwhisper", "specwhisper.model", "specwhisper.engine", "specwhisper.backends", "specwhisper.longform",
+              "specwhisper.serving", "specwhisper.tools", "specwhisper.kernels", "specwhisper.csrc",
+              "specwhisper.samples"],
     package_dir={
         "specwhisper": "specwhisper",
         "specwhisper.kernels": "kernels",

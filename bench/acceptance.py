@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.cpu import synthesize_windows  # noqa: E402
 from specwhisper import Engine  # noqa: E402
-from specwhisper.cli import model_folder  # noqa: E402
+from specwhisper.tools.cli import model_folder  # noqa: E402
 
 
 def main() -> None:

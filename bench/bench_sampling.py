@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specwhisper import ops
 from specwhisper import sampling as S
+from specwhisper.backends import ops
 
 V = 51866
 SHAPES = [(1, 4), (8, 4), (1, 8), (8, 8)]  # (B, k)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specwhisper.decoding import LoadedModel
-from specwhisper.fetch import fetch
-from specwhisper.model import DecoderCache
+from specwhisper.engine.decoding import LoadedModel
+from specwhisper.model.whisper import DecoderCache
+from specwhisper.tools.fetch import fetch
 
 torch.set_num_threads(2)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

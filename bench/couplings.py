@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 
-from specwhisper import Engine, load_audio, log_mel_spectrogram, ops
+from specwhisper import Engine, load_audio, log_mel_spectrogram
 from specwhisper import sampling as S
-from specwhisper.decoding import LoadedModel
-from specwhisper.fetch import cache_root
-from specwhisper.model import DecoderCache
+from specwhisper.backends import ops
+from specwhisper.engine.decoding import LoadedModel
+from specwhisper.engine.vocab import VocabMap
+from specwhisper.model.whisper import DecoderCache
 from specwhisper.samples import sample_paths
-from specwhisper.vocab import VocabMap
+from specwhisper.tools.fetch import cache_root
 
 TEMPERATURES = (0.2, 0.6, 1.0)
 NEVER_WINS = 3.5e-9  # below min(E) / max(E) = 2^-24 / 16.64 of the row's best probability

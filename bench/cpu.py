@@ -40,9 +40,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specwhisper import Engine, cpu_ops, load_audio, log_mel_spectrogram
-from specwhisper.fetch import ct2_dir, fetch
-from specwhisper.model import DecoderCache
+from specwhisper import Engine, load_audio, log_mel_spectrogram
+from specwhisper.backends import cpu_ops
+from specwhisper.model.whisper import DecoderCache
+from specwhisper.tools.fetch import ct2_dir, fetch
 from specwhisper.wer import wer
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -16,8 +16,8 @@ import time
 import torch
 
 from specwhisper import Engine, load_audio, log_mel_spectrogram
-from specwhisper.fetch import ct2_dir, fetch
 from specwhisper.samples import sample_paths
+from specwhisper.tools.fetch import ct2_dir, fetch
 
 
 class Precomputed(torch.nn.Module):

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from specwhisper import Engine, load_audio, log_mel_spectrogram
-from specwhisper.fetch import MODELS, ct2_dir, fetch
 from specwhisper.samples import references, sample_paths
+from specwhisper.tools.fetch import MODELS, ct2_dir, fetch
 from specwhisper.wer import wer
 
 LANGUAGE = "en"

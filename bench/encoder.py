@@ -107,8 +107,8 @@ def line(r: dict) -> str:
 
 
 def main() -> None:
-    from specwhisper.fetch import fetch
-    from specwhisper.weights import load_whisper
+    from specwhisper.model.weights import load_whisper
+    from specwhisper.tools.fetch import fetch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="base")

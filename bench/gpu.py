@@ -44,9 +44,9 @@ import gpu_models  # noqa: E402
 import gpu_report  # noqa: E402
 from specwhisper import sampling  # noqa: E402
 from specwhisper.config import WhisperConfig  # noqa: E402
-from specwhisper.decoding import LoadedModel  # noqa: E402
-from specwhisper.graphs import StepGraphs  # noqa: E402
-from specwhisper.model import DecoderCache  # noqa: E402
+from specwhisper.engine.decoding import LoadedModel  # noqa: E402
+from specwhisper.engine.graphs import StepGraphs  # noqa: E402
+from specwhisper.model.whisper import DecoderCache  # noqa: E402
 
 ALPHAS = (0.6, 0.7, 0.8, 0.9, 0.95)
 KS = tuple(range(1, 9))
@@ -431,11 +431,11 @@ class Bench:
 def accept_op(device):
     """The accept step the engine dispatches to: `specwhisper.ops` when it exists, else backend."""
     try:
-        from specwhisper import ops
+        from specwhisper.backends import ops
 
-        return ops.speculative_sample_noise, "specwhisper.ops.speculative_sample_noise"
+        return ops.speculative_sample_noise, "specwhisper.backends.ops.speculative_sample_noise"
     except (ImportError, AttributeError):
-        from specwhisper import ops as backend
+        from specwhisper.backends import ops as backend
 
         return backend.speculative_sample_noise, f"specwhisper.backend ({backend.which_backend(device)})"
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # checkpoints.py: the synthetic Whisper
 
 from checkpoints import TEXT_TOKENS, special_tokens, write_tokenizer  # noqa: E402
 from specwhisper.config import WhisperConfig  # noqa: E402
-from specwhisper.model import Whisper  # noqa: E402
-from specwhisper.weights import load_whisper  # noqa: E402
+from specwhisper.model.weights import load_whisper  # noqa: E402
+from specwhisper.model.whisper import Whisper  # noqa: E402
 
 LARGE_V3 = dict(d_model=1280, encoder_layers=32, decoder_layers=32, encoder_attention_heads=20,
                 decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,

@@ -30,7 +30,7 @@ from whisper_ref import flite_recording, openai_whisper  # noqa: E402
 
 from specwhisper import Engine  # noqa: E402
 from specwhisper.config import TranscribeOptions  # noqa: E402
-from specwhisper.fetch import MODELS, fetch  # noqa: E402
+from specwhisper.tools.fetch import MODELS, fetch  # noqa: E402
 from specwhisper.wer import wer  # noqa: E402
 
 

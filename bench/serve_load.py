@@ -30,9 +30,9 @@ import torch
 
 from specwhisper import Engine
 from specwhisper.audio import SAMPLE_RATE, decode_audio_bytes
-from specwhisper.fetch import MODELS, fetch
 from specwhisper.samples import sample_paths
-from specwhisper.server import create_app, serve_in_thread
+from specwhisper.serving.server import create_app, serve_in_thread
+from specwhisper.tools.fetch import MODELS, fetch
 
 REQUEST_TIMEOUT = 600.0  # seconds, one HTTP call
 

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specwhisper import Engine, load_audio  # noqa: E402
-from specwhisper.cli import model_folder  # noqa: E402
 from specwhisper.samples import sample_paths  # noqa: E402
+from specwhisper.tools.cli import model_folder  # noqa: E402
 
 
 def speech_windows(n: int, seconds: float = 25.0) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """specwhisper: exact speculative decoding for Whisper."""
 from .audio import load_audio, log_mel_spectrogram
-from .engine import Engine
+from .engine.engine import Engine
 from .results import Segment, Stats, Transcription
 
 __all__ = ["Engine", "Transcription", "Segment", "Stats", "load_audio", "log_mel_spectrogram"]

@@ -125,7 +125,7 @@ def to_verbose_json(result: Transcription, task: str = "transcribe", segments: b
     returns for timestamp_granularities[]=word: [{word, start, end}], each word's text without
     its surrounding spaces and the punctuation word timestamps merged into it (as OpenAI's API
     lists words; a word of punctuation only is left out)."""
-    from .timing import PUNCTUATION
+    from .longform.timing import PUNCTUATION
 
     out = {"task": task, "language": language_name(result.language), "duration": result.duration, "text": result.text}
     if segments:

@@ -24,7 +24,7 @@ def require_real() -> bool:
 
 def real_folder(name: str):
     """The fetched, converted checkpoint `name`; skips (fails in CI) when it is absent."""
-    from specwhisper.fetch import cache_root, is_fetched
+    from specwhisper.tools.fetch import cache_root, is_fetched
 
     if not is_fetched(name):
         if require_real():

@@ -17,9 +17,9 @@ import pytest
 ray = pytest.importorskip("ray")  # also puts Ray's vendored psutil on sys.path
 import psutil  # noqa: E402
 
-from specwhisper.cli import main  # noqa: E402
-from specwhisper.distributed import EXIT_BAD_INPUT, EXIT_MODEL, EXIT_OUTPUT, read_results  # noqa: E402
 from specwhisper.samples import sample_paths  # noqa: E402
+from specwhisper.serving.distributed import EXIT_BAD_INPUT, EXIT_MODEL, EXIT_OUTPUT, read_results  # noqa: E402
+from specwhisper.tools.cli import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def ray_descendants(process: psutil.Process) -> list[psutil.Process]:
 @pytest.mark.slow  # two Ray start-ups (~20 s each on 2 cores) and one small job
 def test_killed_driver_leaves_no_ray_processes_and_the_job_resumes(tmp_path, audio_folder, multilingual):
     out = tmp_path / "results"
-    command = [sys.executable, "-m", "specwhisper.cli", "bulk", str(audio_folder), "--out", str(out),
+    command = [sys.executable, "-m", "specwhisper.tools.cli", "bulk", str(audio_folder), "--out", str(out),
                "--target", str(multilingual), "--language", "en", "--actors", "1", "--cpus-per-actor", "0.5",
                "--max-new-tokens", "4"]
     driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

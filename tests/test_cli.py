@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from specwhisper import cli
-from specwhisper.cli import main
 from specwhisper.results import Segment, Transcription
 from specwhisper.samples import sample_paths
+from specwhisper.tools import cli
+from specwhisper.tools.cli import main
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, models
 
-from specwhisper import fetch
-from specwhisper.convert import convert_ct2
+from specwhisper.tools import fetch
+from specwhisper.tools.convert import convert_ct2
 
 transformers = pytest.importorskip("transformers")
 
@@ -239,7 +239,7 @@ def real_folders(name):
         return fetch.fetch(name), fetch.ct2_dir(name)
     if os.environ.get("SPECWHISPER_REQUIRE_REAL") == "1":
         pytest.fail(f"{name} is not in the specwhisper cache {fetch.cache_root()}; run fetch({name!r})")
-    pytest.skip(f"{name} is not fetched (specwhisper.fetch.fetch({name!r}))")
+    pytest.skip(f"{name} is not fetched (specwhisper.tools.fetch.fetch({name!r}))")
 
 
 def read_wav16k(path):

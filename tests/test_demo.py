@@ -7,8 +7,8 @@ import pytest
 import soundfile
 from conftest import real_folder
 
-from specwhisper.ct2_longform import window_tokens
 from specwhisper.samples import demo_recording
+from specwhisper.tools.ct2_longform import window_tokens
 
 TB = 1000  # a timestamp_begin for the seek-rule cases: ids >= 1000 are timestamps
 
@@ -38,7 +38,7 @@ def test_window_without_consecutive_timestamps_advances_by_its_frames():
 
 @pytest.mark.real
 def test_demo_prints_its_measurements_and_speculation_is_exact(capsys):
-    from specwhisper.demo import run_demo
+    from specwhisper.tools.demo import run_demo
 
     code = run_demo(str(real_folder("base")), str(real_folder("tiny.en")), "base", None, 2, seconds=35.0, ct2=True)
     out = capsys.readouterr().out

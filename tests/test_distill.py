@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from specwhisper import Engine
-from specwhisper.distill import (DistillOptions, Example, agreement, audio_files, batch_of, cross_kv, distill,
-                                 distill_loss, init_draft_decoder, layer_choice, split_holdout, teacher_examples,
-                                 teacher_forced_hidden)
-from specwhisper.model import DecoderCache
+from specwhisper.model.weights import load_whisper
+from specwhisper.model.whisper import DecoderCache
 from specwhisper.samples import sample_paths
-from specwhisper.weights import load_whisper
+from specwhisper.tools.distill import (DistillOptions, Example, agreement, audio_files, batch_of, cross_kv, distill,
+                                       distill_loss, init_draft_decoder, layer_choice, split_holdout,
+                                       teacher_examples, teacher_forced_hidden)
 
 OPTS = DistillOptions(steps=3, batch_size=2, lr=1e-3, warmup=0, language="en", max_new_tokens=16,
                       progress=False, device="cpu", pack=False)
@@ -167,7 +167,7 @@ def test_batches_label_only_generated_positions():
 
 
 def test_cli(multilingual, clips, tmp_path, capsys):
-    from specwhisper.cli import main
+    from specwhisper.tools.cli import main
 
     out = tmp_path / "draft"
     assert main(["distill", "--target", str(multilingual), "--audio", str(clips), "--out", str(out),
@@ -243,7 +243,7 @@ def test_short_files_are_joined_into_full_windows(tmp_path):
     import numpy as np
     import soundfile as sf
 
-    from specwhisper.distill import PACK_GAP, WINDOW_SAMPLES, windows_of
+    from specwhisper.tools.distill import PACK_GAP, WINDOW_SAMPLES, windows_of
 
     sr, seconds = 16000, {"a": 10, "b": 12, "c": 9, "d": 40, "e": 5}
     sounds = {}

@@ -17,10 +17,10 @@ pytest.importorskip("ray.data")
 
 from conftest import real_folder  # noqa: E402
 from specwhisper import Engine, load_audio  # noqa: E402
-from specwhisper.cli import main  # noqa: E402
-from specwhisper.distributed import (BulkJob, Transcriber, _pool, _write_part, decode_file,  # noqa: E402
-                                     list_audio, read_results, run_bulk)
 from specwhisper.samples import sample_paths  # noqa: E402
+from specwhisper.serving.distributed import (BulkJob, Transcriber, _pool, _write_part, decode_file,  # noqa: E402
+                                             list_audio, read_results, run_bulk)
+from specwhisper.tools.cli import main  # noqa: E402
 
 SENTENCES = ["The bus leaves at noon.", "Please close the window.", "It will rain tomorrow.",
              "Call me after lunch.", "The shop opens at nine.", "She reads a book every week."]

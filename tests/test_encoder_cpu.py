@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import real_folder
 
-from specwhisper import Engine, encoder_cpu, load_audio, log_mel_spectrogram
+from specwhisper import Engine, load_audio, log_mel_spectrogram
+from specwhisper.model import encoder_cpu
+from specwhisper.model.weights import load_whisper
 from specwhisper.samples import sample_paths
-from specwhisper.weights import load_whisper
 
 pytestmark = pytest.mark.skipif(not encoder_cpu.available(), reason="torch without oneDNN (mkldnn) ops")
 

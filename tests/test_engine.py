@@ -7,9 +7,9 @@ import torch
 
 from checkpoints import hf_generate
 from specwhisper import Engine, load_audio, log_mel_spectrogram
-from specwhisper.model import DecoderCache
+from specwhisper.model.weights import load_whisper
+from specwhisper.model.whisper import DecoderCache
 from specwhisper.samples import sample_paths
-from specwhisper.weights import load_whisper
 
 MAX_NEW = 30
 
@@ -151,7 +151,7 @@ def test_loop_threads_stop_at_interpreter_exit(multilingual):
     import sys
     import textwrap
 
-    from specwhisper import engine as engine_module
+    from specwhisper.engine import engine as engine_module
 
     e = Engine(multilingual)
     e.submit(sample_paths()[0], language="en", max_new_tokens=4).result()  # submit starts the loop thread
@@ -178,7 +178,7 @@ def test_the_cpu_decode_ops_build_here():
     a failed build would skip every kernel test and fall back to the slow paths unnoticed."""
     import os
 
-    from specwhisper import cpu_ops
+    from specwhisper.backends import cpu_ops
 
     if os.environ.get("SPECWHISPER_NO_EXT", "") not in ("", "0"):
         pytest.skip("the C++ decode ops are disabled by SPECWHISPER_NO_EXT")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specwhisper import Engine
-from specwhisper.runner import bucket_size
+from specwhisper.engine.runner import bucket_size
 from test_speculative import perturbed
 
 MAX_NEW = 16

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-import specwhisper.runner
+import specwhisper.engine.runner
 from specwhisper import Engine
 from test_engine_sampling import ALPHA, ROWS, mel, pair, pairs, two_sample_pvalue  # noqa: F401 (fixtures)
 
@@ -107,7 +107,7 @@ def test_mixed_rows_use_per_row_probabilities(pair, drafts, mel, plain):
 def test_power_a_sampler_that_keeps_every_proposal_is_caught(pair, drafts, mel, plain, monkeypatch):
     """The same test rejects the engine when its rejection rule is broken to accept every usable
     proposal (the output then follows the draft's distribution)."""
-    real = specwhisper.runner.accept_by_rejection
+    real = specwhisper.engine.runner.accept_by_rejection
 
     def always_accept(target_logits, draft_logits, proposals, choice, *args):
         emitted, _ = real(target_logits, draft_logits, proposals, choice, *args)
@@ -116,7 +116,7 @@ def test_power_a_sampler_that_keeps_every_proposal_is_caught(pair, drafts, mel, 
         padded = torch.cat([proposals.clamp(min=0), choice[:, -1:]], dim=1)
         return torch.where(j[None] < valid[:, None], padded, choice.gather(1, valid[:, None])), valid
 
-    monkeypatch.setattr(specwhisper.runner, "accept_by_rejection", always_accept)
+    monkeypatch.setattr(specwhisper.engine.runner, "accept_by_rejection", always_accept)
     wrong, _ = sampled(engine(pair[0], drafts["same"], sampling="rejection"), mel, seed0=70_000, num_draft_tokens=2)
     assert two_sample_pvalue(plain, wrong) < ALPHA
 

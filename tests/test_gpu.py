@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specwhisper import Engine, sampling
-from specwhisper.decoding import LoadedModel
-from specwhisper.graphs import StepGraphs
-from specwhisper.model import DecoderCache
+from specwhisper.engine.decoding import LoadedModel
+from specwhisper.engine.graphs import StepGraphs
+from specwhisper.model.whisper import DecoderCache
 
 pytestmark = pytest.mark.cuda
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specwhisper.graphs import StepGraphs, graphs_supported
+from specwhisper.engine.graphs import StepGraphs, graphs_supported
 
 
 class ToyStep:
@@ -175,7 +175,7 @@ def test_buckets_share_one_pool_largest_first():
 @pytest.mark.cuda
 def test_capture_errors_name_the_step_and_the_cause():
     # a failed capture can leave the CUDA context unusable: trigger it in a child process
-    code = ("import torch; from specwhisper.graphs import StepGraphs; x = torch.ones(4, device='cuda')\n"
+    code = ("import torch; from specwhisper.engine.graphs import StepGraphs; x = torch.ones(4, device='cuda')\n"
             "try:\n StepGraphs(True, device='cuda').run('sync', lambda: x * float(x.sum().item()))\n"
             "except RuntimeError as e:\n print('CAUGHT', e)\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specwhisper import cpu_ops
-from specwhisper.head import ScreenedHead
+from specwhisper.backends import cpu_ops
+from specwhisper.model.head import ScreenedHead
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def test_matches_full_precision_argmax_on_random_rows():
 def test_bound_is_rigorous(K):
     """|approx - exact| <= c_v * |h| + TINY on random rows, heavy-tailed weights included; and the
     bound is tight enough to matter (within 20x of the largest error seen)."""
-    from specwhisper.head import TINY
+    from specwhisper.model.head import TINY
 
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(20000, K, generator=gen)
@@ -117,7 +117,7 @@ def test_near_ties_that_int8_cannot_separate():
     expected = full_argmax(weight, hidden, torch.zeros(1000, dtype=torch.bool))
     assert torch.equal(head.argmax(hidden), expected)
     # and the int8 copy alone cannot separate any of the pairs: both stay candidates
-    from specwhisper.head import TINY
+    from specwhisper.model.head import TINY
 
     approx = head.approx(hidden)
     bound = hidden.norm(dim=1, keepdim=True) * head.bound + TINY
@@ -136,7 +136,7 @@ def test_banned_winner_is_skipped():
 def test_subset_head_is_the_argmax_over_its_tokens():
     """The pruned draft head screens its kept rows like the full head: the same argmax as the
     float32 logits over those tokens, bans included."""
-    from specwhisper.head import SubsetHead
+    from specwhisper.model.head import SubsetHead
 
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(3000, 64, generator=gen)
@@ -180,7 +180,7 @@ def timestamp_case(V=6000, n_ts=1501, d=64, rows=300, seed=0):
     """A random head whose last `n_ts` ids are timestamps, and rows in random rule states (first
     token, open and closed timestamp pairs, a last timestamp, an initial-timestamp limit), their
     hidden states scaled over a wide range so that the timestamp-forcing rule goes both ways."""
-    from specwhisper.rules import RuleTables, rule_mask
+    from specwhisper.engine.rules import RuleTables, rule_mask
 
     gen = torch.Generator().manual_seed(seed)
     tb = V - n_ts
@@ -207,7 +207,7 @@ def timestamp_case(V=6000, n_ts=1501, d=64, rows=300, seed=0):
 
 
 def test_timestamp_argmax_is_the_ruled_argmax_of_the_full_logits():
-    from specwhisper.rules import apply_rules, forces_timestamp
+    from specwhisper.engine.rules import apply_rules, forces_timestamp
 
     weight, tables, state, banned, hidden = timestamp_case()
     head = ScreenedHead(weight)

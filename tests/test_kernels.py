@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from specwhisper import ops
 from specwhisper import sampling as S
+from specwhisper.backends import ops
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")

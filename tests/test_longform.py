@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specwhisper.config import TranscribeOptions
-from specwhisper.longform import LongformJob, compression_ratio, run_job
+from specwhisper.longform.transcribe import LongformJob, compression_ratio, run_job
+from specwhisper.longform.window import WindowRequest, WindowResult
 from specwhisper.tokenizer import Tokenizer, split_at_timestamps
-from specwhisper.window import WindowRequest, WindowResult
 
 # ---------------------------------------------------------------- the seek loop, scripted
 
@@ -159,8 +159,8 @@ def test_engine_routes_long_input(multilingual):
 
 def test_reference_window_decoder_runs_a_random_model(english):
     """Greedy and sampled windows on a tiny random model: timestamp rules hold, seeds reproduce."""
-    from specwhisper.decoding import LoadedModel
-    from specwhisper.window import decode_window_reference
+    from specwhisper.engine.decoding import LoadedModel
+    from specwhisper.longform.window import decode_window_reference
 
     model = LoadedModel.load(english, torch.device("cpu"), torch.float32)
     tok = model.tokenizer
@@ -192,7 +192,7 @@ def base_pair():
     from conftest import real_folder
     from whisper_ref import openai_whisper
 
-    from specwhisper.decoding import LoadedModel
+    from specwhisper.engine.decoding import LoadedModel
 
     folder = real_folder("base")
     return LoadedModel.load(folder, torch.device("cpu"), torch.float32), openai_whisper(folder)
@@ -200,7 +200,7 @@ def base_pair():
 
 def ours(model, audio, **options):
     from specwhisper.audio import log_mel_spectrogram
-    from specwhisper.window import ReferenceWindowDecoder
+    from specwhisper.longform.window import ReferenceWindowDecoder
 
     job = LongformJob(log_mel_spectrogram(audio, 80, whole=True), model.tokenizer,
                       TranscribeOptions(language="en", **options), seed=0)

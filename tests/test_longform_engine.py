@@ -66,7 +66,7 @@ def test_timestamp_rows_through_the_screened_head_equal_the_full_logits(recordin
     """Greedy long-form rows choose through the screened head's timestamp_argmax and get their
     log-probabilities when the window ends; without a screened head every row takes the full
     logits: the same segments, tokens and log-probabilities."""
-    from specwhisper.head import ScreenedHead
+    from specwhisper.model.head import ScreenedHead
 
     engine = Engine(real_folder("base"))
     calls = []

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specwhisper import Engine, cpu_ops
-from specwhisper.decoding import LoadedModel
-from specwhisper.head import ScreenedHead
-from specwhisper.model import DecoderCache
+from specwhisper import Engine
+from specwhisper.backends import cpu_ops
+from specwhisper.engine.decoding import LoadedModel
+from specwhisper.model.head import ScreenedHead
+from specwhisper.model.whisper import DecoderCache
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +133,7 @@ def test_vector_level_from_the_environment():
     import subprocess
     import sys
 
-    probe = ("from specwhisper import cpu_ops\n"
+    probe = ("from specwhisper.backends import cpu_ops\n"
              "try:\n    ops = cpu_ops._ops()\nexcept ValueError as exc:\n    print('refused', exc)\n"
              "else:\n    print('level', ops.set_vector_level(2))")
     for value, expected in (("0", "level 0"), ("1", "level 1"), ("avx2", "refused")):
@@ -145,7 +146,7 @@ def test_vector_level_from_the_environment():
 def test_int8_linear_matches_reference_at_every_vector_level(M):
     """An int8 draft's projections (`linear_q8`): the dequantized product within float32
     rounding, the same bits at every vector level and for each row alone as inside the block."""
-    from specwhisper.head import pack_int8
+    from specwhisper.model.head import pack_int8
 
     gen = torch.Generator().manual_seed(M)
     weight = torch.randn(96, 136, generator=gen)
@@ -274,7 +275,7 @@ def test_decoder_hidden_matches_reference(head64, dtype):
 def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     """`cpu_ops.decoder_layers` (every layer in one C++ call) gives the bits of the per-layer
     `forward_rows` loop: hidden states and caches, rows at different positions, the scratch slot."""
-    from specwhisper.model import Decoder
+    from specwhisper.model.whisper import Decoder
 
     model, features, gen = decoder_setup(head64, dtype, batch=2)
     if compact:
@@ -331,7 +332,7 @@ def test_screened_head_equals_fast_logits_argmax(head64):
 def test_screened_head_falls_back_when_candidates_overflow(monkeypatch):
     """Many tokens tied within int8 resolution: more candidates than MAX_CANDIDATES, so the
     row takes the full float32 head, and the answer is still exact (lowest id on exact ties)."""
-    import specwhisper.head as heads
+    import specwhisper.model.head as heads
 
     monkeypatch.setattr(heads, "MAX_CANDIDATES", 4)
     gen = torch.Generator().manual_seed(3)

@@ -16,7 +16,7 @@ import pathlib, sys, warnings
 warnings.simplefilter("error")  # a failed build warns: make it fail here
 import torch
 import specwhisper
-from specwhisper import cpu_ops, ops
+from specwhisper.backends import cpu_ops, ops
 from specwhisper.backends import backend_for
 installed = pathlib.Path(specwhisper.__file__).resolve().parent
 assert "site-packages" in str(installed), installed

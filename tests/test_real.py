@@ -8,8 +8,8 @@ import torch
 
 from conftest import real_folder
 from specwhisper import Engine, load_audio, log_mel_spectrogram
-from specwhisper.fetch import cache_root
 from specwhisper.samples import references, sample_paths
+from specwhisper.tools.fetch import cache_root
 
 pytestmark = pytest.mark.real
 

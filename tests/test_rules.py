@@ -7,7 +7,7 @@ import torch
 from whisper.decoding import ApplyTimestampRules, SuppressBlank, SuppressTokens
 from whisper.tokenizer import get_tokenizer
 
-from specwhisper.rules import RuleTables, apply_rules, row_state
+from specwhisper.engine.rules import RuleTables, apply_rules, row_state
 
 
 _SUPPRESS = {}

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specwhisper import ops
 from specwhisper import sampling as S
+from specwhisper.backends import ops
 
 
 def _step_inputs(B, k, V, temperature=1.0, top_p=1.0, seed=0, spread=3.0, mismatch=0.7):

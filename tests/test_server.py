@@ -25,7 +25,7 @@ from specwhisper import Engine, load_audio  # noqa: E402
 from specwhisper.audio import decode_audio_bytes  # noqa: E402
 from specwhisper.formats import language_name, render  # noqa: E402
 from specwhisper.samples import sample_paths  # noqa: E402
-from specwhisper.server import create_app, serve_in_thread  # noqa: E402
+from specwhisper.serving.server import create_app, serve_in_thread  # noqa: E402
 
 MAX_NEW = 8  # the server's per-request cap in these tests; direct engine calls use the same
 SAMPLES = sample_paths()
@@ -438,7 +438,7 @@ def test_serve_command_starts_a_server(multilingual):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "specwhisper.cli", "serve", "--target", str(multilingual),
+    proc = subprocess.Popen([sys.executable, "-m", "specwhisper.tools.cli", "serve", "--target", str(multilingual),
                              "--port", str(port), "--max-new-tokens", str(MAX_NEW), "--log-level", "warning",
                              "--max-audio-seconds", "20", "--read-timeout", "30"])
     try:

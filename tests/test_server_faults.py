@@ -22,7 +22,7 @@ if not require_real():  # CI installs the server extra, so a missing package fai
     pytest.importorskip("fastapi")
 from specwhisper import Engine  # noqa: E402
 from specwhisper.samples import sample_paths  # noqa: E402
-from specwhisper.server import create_app, serve_in_thread  # noqa: E402
+from specwhisper.serving.server import create_app, serve_in_thread  # noqa: E402
 
 TIMEOUT = 60.0
 SAMPLE = sample_paths()[0]

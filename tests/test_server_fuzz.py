@@ -17,7 +17,7 @@ from schemathesis import checks  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from specwhisper import Engine  # noqa: E402
-from specwhisper.server import create_app  # noqa: E402
+from specwhisper.serving.server import create_app  # noqa: E402
 
 EXAMPLES_PER_OPERATION = 25
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,

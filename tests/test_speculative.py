@@ -122,7 +122,7 @@ def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, re
     """On a CPU with bfloat16 arithmetic a compact draft with its own encoder runs that encoder
     and its cross K/V in bfloat16 (forced here, whatever this CPU has): other proposals, the same
     output; a shared-encoder draft keeps the target's float32 encoder."""
-    from specwhisper import cpu_ops
+    from specwhisper.backends import cpu_ops
 
     if not cpu_ops.available():
         pytest.skip("compact drafts need the C++ decode ops")
@@ -246,7 +246,7 @@ def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels,
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
-    from specwhisper.draft import DraftLength
+    from specwhisper.engine.draft import DraftLength
 
     def step(rule, accepted_all: bool, draft_cost: float):
         k = rule.k  # k == 0: a plain step emitting one token

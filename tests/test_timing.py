@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from specwhisper import timing
 from specwhisper.config import WhisperConfig
+from specwhisper.longform import timing
 from specwhisper.results import Segment
 
 
@@ -73,9 +73,9 @@ def test_alignment_pass_weights_equal_openai_cross_attention(ckpt_dir):
     from whisper.model import disable_sdpa
     from whisper_ref import openai_whisper
 
-    from specwhisper.alignment import alignment_pass
-    from specwhisper.decoding import LoadedModel
-    from specwhisper.model import DecoderCache
+    from specwhisper.engine.decoding import LoadedModel
+    from specwhisper.longform.alignment import alignment_pass
+    from specwhisper.model.whisper import DecoderCache
 
     folder = ckpt_dir("openai_shaped", d_model=64, heads=4, ffn_dim=256, seed=5)  # openai's MLP is 4 x d
     model = LoadedModel.load(folder, torch.device("cpu"), torch.float32)

@@ -11,7 +11,7 @@ from checkpoints import make_checkpoint, write_tokenizer
 from conftest import real_folder
 from specwhisper import Engine
 from specwhisper.tokenizer import Tokenizer
-from specwhisper.vocab import VocabMap
+from specwhisper.engine.vocab import VocabMap
 
 MAX_NEW = 40
 

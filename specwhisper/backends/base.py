@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from .. import cpu_ops
-from ..graphs import StepGraphs
-from ..weights import load_whisper
+from ..engine.graphs import StepGraphs
+from ..model.weights import load_whisper
+from . import cpu_ops
 
 
 class Backend:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import cpu_ops
+from . import cpu_ops
 from .base import Backend
 
 

@@ -27,7 +27,7 @@ POLL_SECONDS = 0.25  # how often the driver's descendants are noted
 def start_reaper() -> subprocess.Popen:
     """Start the watchdog for this process; it lives until this process's end (keep the returned
     Popen referenced: its stdin is the pipe whose end of file means this process is gone)."""
-    return subprocess.Popen([sys.executable, "-m", "specwhisper.ray_reaper", str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", "specwhisper.serving.ray_reaper", str(os.getpid())],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_ops
+from ..backends import cpu_ops
 
 FP32_ROUNDOFF = 2.0**-24
 TINY = 2.0**-40  # underflow of the products (< K·2^-149 for any float32 h)

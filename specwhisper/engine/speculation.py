@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from .backends import Backend
-from .constants import MAX_DRAFT_TOKENS
+from ..backends import Backend
+from ..constants import MAX_DRAFT_TOKENS
 from .draft import DraftLength
 
 

@@ -32,9 +32,9 @@ def cmd_transcribe(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from . import Engine, load_audio
-    from .config import TranscribeOptions
-    from .formats import render
+    from .. import Engine, load_audio
+    from ..config import TranscribeOptions
+    from ..formats import render
 
     options = TranscribeOptions(temperature=args.temperature, language=args.language, task=args.task,
                                 top_p=args.top_p, initial_prompt=args.initial_prompt,
@@ -114,8 +114,8 @@ def cmd_serve(args) -> int:
     import torch
     import uvicorn
 
-    from . import Engine
-    from .server import create_app
+    from .. import Engine
+    from ..serving.server import create_app
 
     engine_options = {}
     if args.max_batch is not None:
@@ -136,7 +136,7 @@ def cmd_bulk(args) -> int:
     (distributed.EXIT_*: 0 all done, 1 some files failed, 2 input/options, 3 output folder,
     4 model folder, 5 Ray)."""
     try:
-        from .distributed import EXIT_BAD_INPUT, EXIT_FILES_FAILED, EXIT_MODEL, BulkError, BulkJob, run_bulk
+        from ..serving.distributed import EXIT_BAD_INPUT, EXIT_FILES_FAILED, EXIT_MODEL, BulkError, BulkJob, run_bulk
     except ImportError as e:
         print(f"specwhisper bulk: {e}", file=sys.stderr)
         return 2
@@ -242,7 +242,7 @@ def add_distill_parser(sub) -> None:
 
 
 def main(argv=None) -> int:
-    from .timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
+    from ..longform.timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
 
     p = argparse.ArgumentParser(prog="specwhisper", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from . import sampling
-from .backends import Backend, backend_for
-from .config import WhisperConfig, read_json
-from .head import ScreenedHead
-from .model import Whisper
-from .tokenizer import Tokenizer
+from .. import sampling
+from ..backends import Backend, backend_for
+from ..config import WhisperConfig, read_json
+from ..model.head import ScreenedHead
+from ..model.whisper import Whisper
+from ..tokenizer import Tokenizer
 
 
 @dataclass
@@ -52,7 +52,7 @@ class LoadedModel:
         """The (layer, head) pairs of cross-attention that word timestamps read: the folder's
         generation_config `alignment_heads`, else openai's table (`timing.alignment_heads`;
         ValueError when neither knows the model)."""
-        from .timing import alignment_heads
+        from ..longform.timing import alignment_heads
 
         path = self.path / "generation_config.json"
         return alignment_heads(self.config, read_json(path, "generation config") if path.is_file() else {})

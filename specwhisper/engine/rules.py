@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 NEG_INF = float("-inf")
 

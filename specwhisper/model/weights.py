@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import WhisperConfig, read_json
-from .model import Whisper
+from ..config import WhisperConfig, read_json
+from .whisper import Whisper
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 HF_PREFIX = "model."  # HF keys are `model.encoder...`; our top module is that `model`

@@ -89,7 +89,7 @@ def ctranslate2_run(name: str, mel: np.ndarray, tokenizer, threads: int, compute
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "mel.npy"
         np.save(path, mel)
-        cmd = [sys.executable, "-m", "specwhisper.ct2_longform", str(ct2_dir(name)), str(path), str(threads),
+        cmd = [sys.executable, "-m", "specwhisper.tools.ct2_longform", str(ct2_dir(name)), str(path), str(threads),
                compute_type, json.dumps(tokenizer.sot_sequence("en", "transcribe")),
                str(tokenizer.timestamp_begin), str(tokenizer.eot)]
         env = dict(os.environ)
@@ -107,10 +107,10 @@ def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: 
              seconds: float | None, ct2: bool, repeats: int = 1) -> int:
     import torch
 
-    from . import Engine, load_audio, log_mel_spectrogram
+    from .. import Engine, load_audio, log_mel_spectrogram
+    from ..samples import demo_recording
+    from ..wer import wer
     from .fetch import MODELS
-    from .samples import demo_recording
-    from .wer import wer
 
     torch.set_num_threads(threads)
     path, reference = demo_recording()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .constants import NO_LIMIT
+from ..constants import NO_LIMIT
 
 
 @dataclass

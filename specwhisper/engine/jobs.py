@@ -4,9 +4,9 @@ without signal (`audio.is_silent`: digital silence or dither) is not decoded: it
 and no language is guessed from it (Whisper turns such windows into confident hallucinations)."""
 from __future__ import annotations
 
-from .audio import is_silent
-from .config import DecodeOptions
-from .results import Segment, Transcription
+from ..audio import is_silent
+from ..config import DecodeOptions
+from ..results import Segment, Transcription
 from .scheduler import Window
 from .slots import SeqOutput, SeqSpec
 
@@ -64,7 +64,7 @@ class LongformRequest:
     throughout gets no language). A window's encoder output is kept for its fallback retries."""
 
     def __init__(self, mel_full, options, tokenizer, seed: int, num_draft_tokens, progress=None):
-        from .audio import N_FRAMES, pad_or_trim
+        from ..audio import N_FRAMES, pad_or_trim
 
         self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
         self.k, self.progress = num_draft_tokens, progress
@@ -82,7 +82,7 @@ class LongformRequest:
     def _first_sound(self) -> int | None:
         """The mel frame where the first window with signal starts (the job's windows, as it
         skips silent ones, start at multiples of 30 s until the first is decoded), or None."""
-        from .audio import N_FRAMES, is_silent
+        from ..audio import N_FRAMES, is_silent
 
         floor = float(self.mel_full.max()) - 2.0
         for seek in range(0, self.mel_full.shape[-1], N_FRAMES):
@@ -93,7 +93,7 @@ class LongformRequest:
     def _start(self, language):
         from dataclasses import replace
 
-        from .longform import LongformJob
+        from ..longform.transcribe import LongformJob
 
         options = self.options
         if language is not None and options.language is None:
@@ -132,7 +132,7 @@ class LongformRequest:
         self.kept = (self.request.seek if self.request is not None else self.detect_seek, features)
 
     def record(self, output: SeqOutput, language: str | None) -> None:
-        from .window import WindowResult
+        from ..longform.window import WindowResult
 
         tokens = output.tokens
         self.job.record(WindowResult(tokens, output.sum_logprob, output.sum_logprob / (len(tokens) + 1),

@@ -35,11 +35,11 @@ from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from . import __version__
+from .. import __version__
 from .admission import Admission, UploadGuard
 from .api_errors import ApiError, error_responses, install_error_handlers
-from .audio import SAMPLE_RATE, decode_audio_bytes
-from .formats import render, to_verbose_json
+from ..audio import SAMPLE_RATE, decode_audio_bytes
+from ..formats import render, to_verbose_json
 from .memory_release import IdleTrimmer
 from .server_metrics import ServerMetrics
 

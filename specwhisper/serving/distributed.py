@@ -36,9 +36,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise ImportError("bulk transcription needs Ray Data: pip install 'specwhisper[ray]'") from e
 
+from ..results import Segment, Stats
 from .bulk_checks import (EXIT_BAD_INPUT, EXIT_CLUSTER, EXIT_FILES_FAILED, EXIT_MODEL, EXIT_OUTPUT,  # noqa: F401
                           BulkError, check_model_folder, check_output)
-from .results import Segment, Stats
 
 AUDIO_EXTENSIONS = frozenset(
     ".wav .flac .mp3 .ogg .oga .opus .m4a .mp4 .aac .webm .mkv .mka .wma .aiff .aif .au .caf .amr "
@@ -218,7 +218,7 @@ def _reason(e: BaseException) -> str:
 # ---------------------------------------------------------------- pipeline stages
 def decode_file(row: dict) -> dict:
     """CPU task: one path -> {path, audio (float32 16 kHz samples as bytes), error}."""
-    from .audio import SAMPLE_RATE, load_audio
+    from ..audio import SAMPLE_RATE, load_audio
 
     path = row["path"]
     try:
@@ -242,7 +242,7 @@ class Transcriber:
                  language: str | None, decode_options: dict, threads: int | None):
         import torch
 
-        from .engine import Engine
+        from ..engine.engine import Engine
 
         if threads:
             torch.set_num_threads(threads)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import Decoder, Whisper
+from ..model.whisper import Decoder, Whisper
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".webm", ".mp4"}
 STATE_FILE = ".distill_state.pt"
@@ -164,7 +164,7 @@ def windows_of(files: list[Path], pack: bool, skipped: list[str]):
     joined, PACK_GAP of silence between them, into windows of up to 30 s (index 0). Long-form
     transcription decodes full windows, so a draft trained on short clips alone would never see
     the later positions of a window. Undecodable and empty files are appended to `skipped`."""
-    from .audio import load_audio
+    from ..audio import load_audio
 
     group: list[tuple[Path, object]] = []
 
@@ -421,7 +421,7 @@ def learning_rate(step: int, opts: DistillOptions) -> float:
 def save_draft(decoder: Decoder, target_folder: Path, out: Path) -> None:
     """Write OUT as a HF Whisper folder: the target's encoder tensors copied unchanged (their stored
     dtype), the draft decoder, config.json with decoder_layers, the target's tokenizer files."""
-    from .weights import checkpoint_files
+    from ..model.weights import checkpoint_files
 
     out.mkdir(parents=True, exist_ok=True)
     state = {}
@@ -449,8 +449,8 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     under `audio` into the folder `out`; resumes a run saved there with the same settings."""
     from tqdm import tqdm
 
-    from .decoding import resolve_model_path
-    from .engine import Engine
+    from ..engine.decoding import resolve_model_path
+    from ..engine.engine import Engine
 
     files = audio_files(audio)
     target_folder = resolve_model_path(target)

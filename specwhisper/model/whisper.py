@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_ops, encoder_cpu
-from .config import WhisperConfig
+from ..backends import cpu_ops
+from ..config import WhisperConfig
+from . import encoder_cpu
 
 
 class Attention(nn.Module):

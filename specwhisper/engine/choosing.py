@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import ops, rules
+from ..backends import ops
+from . import rules
 from .slots import SlotState
 
 

@@ -33,13 +33,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, is_silent, pad_or_trim
-from .config import TranscribeOptions
-from .constants import FRAMES_PER_SECOND, N_AUDIO_CTX, N_TEXT_CTX, NO_LIMIT, TIME_PRECISION
-from .results import Segment, Stats, Transcription
+from ..audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, is_silent, pad_or_trim
+from ..config import TranscribeOptions
+from ..constants import FRAMES_PER_SECOND, N_AUDIO_CTX, N_TEXT_CTX, NO_LIMIT, TIME_PRECISION
+from ..results import Segment, Stats, Transcription
+from ..tokenizer import Tokenizer, split_at_timestamps
 from .timing import AlignmentRequest, add_word_timestamps, find_alignment, get_end, is_segment_anomaly, \
     next_words_segment
-from .tokenizer import Tokenizer, split_at_timestamps
 from .window import SAMPLE_LEN, WindowRequest, WindowResult
 
 INPUT_STRIDE = N_FRAMES // N_AUDIO_CTX  # mel frames per timestamp step: 2

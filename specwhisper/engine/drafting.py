@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import NO_PROPOSAL
+from ..model.whisper import DecoderCache
 from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens
-from .constants import NO_PROPOSAL
 from .draft import Drafter
-from .model import DecoderCache
 from .rules import RuleTables
 from .slots import SeqSpec, SlotState
 

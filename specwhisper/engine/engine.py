@@ -20,17 +20,17 @@ import weakref
 import numpy as np
 import torch
 
-from .backends import backend_for, default_device
-from .config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
+from ..backends import backend_for, default_device
+from ..config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
+from ..constants import FRAMES_PER_SECOND, N_FRAMES
+from ..longform.timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
+from ..results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .decoding import LoadedModel
-from .constants import FRAMES_PER_SECOND, N_FRAMES
 from .draft import Drafter
 from .jobs import LongformRequest, ShortJob
-from .results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .runner import Runner
 from .scheduler import Request, RequestFuture, Scheduler
 from .speculation import Speculation
-from .timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
 
 
 class Engine:
@@ -249,7 +249,7 @@ class Engine:
             if timestamps is False:
                 raise ValueError("audio longer than 30 s is decoded with timestamps (openai-whisper's "
                                  "long-form algorithm); timestamps=False is only for single windows")
-            from .config import TranscribeOptions
+            from ..config import TranscribeOptions
 
             temps = DEFAULT_FALLBACK if temperature is None else temperature
             options = TranscribeOptions(temperature=temps, language=language, task=task, top_p=top_p,
@@ -351,7 +351,7 @@ class Engine:
     def _as_mel(self, x, whole: bool = False) -> tuple[bool, torch.Tensor]:
         """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames]).
         Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a log-mel here."""
-        from .audio import HOP_LENGTH, load_audio, log_mel_spectrogram
+        from ..audio import HOP_LENGTH, load_audio, log_mel_spectrogram
 
         if isinstance(x, (str, bytes, bytearray, memoryview)) or hasattr(x, "__fspath__"):
             x = load_audio(x)

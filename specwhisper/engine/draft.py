@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from .constants import MAX_ADAPTIVE_K as MAX_K
-from .head import SubsetHead
-from .model import DecoderCache
+from ..constants import MAX_ADAPTIVE_K as MAX_K
+from ..model.head import SubsetHead
+from ..model.whisper import DecoderCache
 from .vocab import VocabMap
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampling
-from .audio import N_FRAMES, pad_or_trim
-from .decoding import LoadedModel
-from .model import DecoderCache
-from .rules import RuleTables, apply_rules, row_state
+from .. import sampling
+from ..audio import N_FRAMES, pad_or_trim
+from ..engine.decoding import LoadedModel
+from ..engine.rules import RuleTables, apply_rules, row_state
+from ..model.whisper import DecoderCache
 
 SAMPLE_LEN = 224  # openai's sample_len: at most n_text_ctx // 2 tokens sampled per window
 

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .results import Stats, Transcription
+from ..results import Stats, Transcription
 from .runner import Progress
 from .slots import SeqOutput, SeqSpec
 

@@ -42,14 +42,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import rules, sampling
-from .backends import backend_for
+from .. import sampling
+from ..backends import backend_for
+from ..constants import MAX_DRAFT_TOKENS as MAX_K
+from ..model.whisper import DecoderCache
+from . import rules
 from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens, kept_logprob
-from .constants import MAX_DRAFT_TOKENS as MAX_K
 from .draft import Drafter, greedy_tokens
 from .drafting import DraftSide
 from .graphs import StepGraphs
-from .model import DecoderCache
 from .rejection import accept_by_rejection
 from .slots import HostSlot, SeqOutput, SeqSpec, SlotState
 
@@ -376,7 +377,7 @@ class Runner:
         """The alignment pass (word timestamps) of the windows in `slots`, one batch over the
         cross-attention K/V they hold -> per window (the alignment heads' cross-attention logits,
         its text tokens' probabilities); see alignment.py."""
-        from .alignment import alignment_pass
+        from ..longform.alignment import alignment_pass
 
         idx = torch.tensor(slots, device=self.device)
         return alignment_pass(self.target.model.decoder, requests, self.cache.cross_k[:, idx],

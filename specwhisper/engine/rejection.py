@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, sampling
+from .. import sampling
+from ..backends import ops
 
 UNIFORM_STREAM = 0x2545F4914F6CDD1D  # seed ^ this: the acceptance tests' uniforms
 RESAMPLE_STREAM = 0x1B873593CC9E2D51  # seed ^ this: the residual race's noise

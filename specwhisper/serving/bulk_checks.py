@@ -29,10 +29,10 @@ def check_model_folder(folder: str, role: str) -> None:
     import torch
     from safetensors import safe_open
 
-    from .config import WhisperConfig
-    from .model import Whisper
-    from .tokenizer import Tokenizer
-    from .weights import HF_PREFIX, TIED_HEAD, checkpoint_files
+    from ..config import WhisperConfig
+    from ..model.weights import HF_PREFIX, TIED_HEAD, checkpoint_files
+    from ..model.whisper import Whisper
+    from ..tokenizer import Tokenizer
 
     try:
         path = Path(folder)

@@ -34,7 +34,7 @@ from specwhisper import sampling
 
 Backend = Literal["triton", "cpp", "reference"]
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .results import Segment, Word
+from ..results import Segment, Word
 
 TOKENS_PER_SECOND = 50  # encoder positions per second of audio (one per 20 ms)
 MEDFILT_WIDTH = 7

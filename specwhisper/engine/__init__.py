@@ -1,0 +1,1 @@
+"""The decoding engine: Engine, scheduler, runner and the exact speculative step."""

@@ -1,0 +1,1 @@
+"""Long-form transcription: openai-whisper's seek loop, window decoding, word timestamps."""

@@ -1,0 +1,1 @@
+"""The Whisper network: encoder-decoder, checkpoint loading, output heads, CPU encoder fast path."""

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP server and bulk transcription on Ray."""

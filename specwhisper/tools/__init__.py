@@ -1,0 +1,1 @@
+"""Command-line tools: the specwhisper CLI, demo, checkpoint fetch and conversion, distillation."""
