@@ -1,12 +1,13 @@
 """Packaging glue that pyproject.toml cannot express.
 
-- `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`; `specwhisper/backends/`
-  (the device backends) is listed beside it.
+- `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`; the package's own
+  subpackages by layer (`model`, `engine`, `backends`, `longform`, `serving`, `tools`) are listed
+  beside it.
 - `csrc/` ships as package data (`specwhisper.csrc`); the C++ extensions `specwhisper_C`
-  (sampling ops, specwhisper/ops.py) and `specwhisper_decode_ops` (decoder-step ops,
-  specwhisper/cpu_ops.py) are built just in time with ninja on first use, from the checkout's
-  `csrc/` or, installed, from that package data: `pip install` compiles nothing, and the
-  package works (with PyTorch ops and one warning) without a compiler.
+  (sampling ops, specwhisper/backends/ops.py) and `specwhisper_decode_ops` (decoder-step ops,
+  specwhisper/backends/cpu_ops.py) are built just in time with ninja on first use, from the
+  checkout's `csrc/` or, installed, from that package data: `pip install` compiles nothing, and
+  the package works (with PyTorch ops and one warning) without a compiler.
 """
 from setuptools import setup
 

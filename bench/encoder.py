@@ -1,7 +1,7 @@
 """The encoder against the CPU's float32 peak, in one run.
 
 Question answered: how many GFLOP/s does whisper's encoder (float32, one full 30 s window) reach,
-fast path (`specwhisper/encoder_cpu.py`) and reference forward, beside the float32 FMA peak
+fast path (`specwhisper/model/encoder_cpu.py`) and reference forward, beside the float32 FMA peak
 measured in the same run by bench/fma_peak.cpp (independent FMA chains on every thread, 256-bit
 AVX2 or 512-bit AVX-512 as torch's kernels use)? Peak and encoders are timed interleaved (each
 repeat runs all of them in turn), so a busy spell of a shared machine hits all alike; medians and

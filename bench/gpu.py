@@ -11,7 +11,7 @@ Side by side in one run, fp16, batch 1 and 8, on random weights at the real shap
 - target single-token step and verify step (k+1 = 2..9), eager and CUDA-graphed (`StepGraphs`);
 - draft step (tiny, distil-large-v3 shapes) eager vs graphed, chained (each step feeds its
   argmax to the next, as k draft steps do);
-- the accept step (fused kernel via `specwhisper.ops` or `specwhisper.backend`), eager and graphed;
+- the accept step (fused kernel via `specwhisper.backends.ops` or `specwhisper.backend`), eager and graphed;
 - near ties: how often the argmax of a (k+1)-row verify pass differs from single-token steps;
 - transformers `generate` per token (eager; static cache + torch.compile in a time-boxed child);
 - end to end: `Engine(target)` and `Engine(target, draft=target)` (self draft: acceptance 1.0);
@@ -429,7 +429,7 @@ class Bench:
 
 
 def accept_op(device):
-    """The accept step the engine dispatches to: `specwhisper.ops` when it exists, else backend."""
+    """The accept step the engine dispatches to: `specwhisper.backends.ops` when it exists, else backend."""
     try:
         from specwhisper.backends import ops
 

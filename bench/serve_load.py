@@ -10,7 +10,7 @@ per level; every HTTP call has a timeout.
     python bench/serve_load.py --clients 1 4 --requests-per-client 2 --time-limit 120
     python bench/serve_load.py --target ~/models/whisper-large-v3 --draft ~/models/whisper-tiny --device cuda
 
-The server runs in this process (uvicorn in a thread, `specwhisper.server.serve_in_thread`); the
+The server runs in this process (uvicorn in a thread, `specwhisper.serving.server.serve_in_thread`); the
 clients are threads with their own httpx connections. Writes serve_load-<device>.json and .md.
 """
 from __future__ import annotations

@@ -5,5 +5,5 @@
 - `spec_sample.exp_noise_triton`: counter-based Exp(1) noise keyed by (seed, position, id);
 - `spec_sample.race_sample_triton`: race sampling (argmax p / E) with that noise in registers.
 
-Import the submodules lazily (specwhisper.ops does): they import Triton.
+Import the submodules lazily (specwhisper.backends.ops does): they import Triton.
 """

@@ -112,7 +112,7 @@ class TranscribeOptions:
     max_initial_timestamp: float | None = MAX_INITIAL_TIMESTAMP  # seconds: latest first timestamp of a window; None: no limit
     timestamps: bool = True  # predict timestamp tokens (segments); False: one segment per window
     skip_silence: bool = True  # windows without signal (audio.is_silent) are skipped undecoded; False: openai's way
-    word_timestamps: bool = False  # openai's word_timestamps: each segment gets its words (timing.py)
+    word_timestamps: bool = False  # openai's word_timestamps: each segment gets its words (longform/timing.py)
     prepend_punctuations: str = "\"'“¿([{-"  # with word timestamps: merged into the following word
     append_punctuations: str = "\"'.。,，!！?？:：”)]}、"  # with word timestamps: merged into the preceding word
     hallucination_silence_threshold: float | None = None  # seconds; with word timestamps: skip silence before a likely hallucination

@@ -1,4 +1,4 @@
-"""specwhisper.convert: CTranslate2 Whisper model.bin → HF folder (exact weights, splits, corrupt
+"""specwhisper.tools.convert: CTranslate2 Whisper model.bin → HF folder (exact weights, splits, corrupt
 files), and on the real fetched checkpoints: transformers greedy == CTranslate2 greedy."""
 import json
 import os
@@ -227,7 +227,7 @@ def test_missing_config_or_parts_are_rejected(tmp_path, tiny_model, tokenizer_js
         convert_ct2(ct2, tmp_path / "hf")
 
 
-# --- real checkpoints (populated by `specwhisper.fetch.fetch`) ---------------------------------
+# --- real checkpoints (populated by `specwhisper.tools.fetch.fetch`) ---------------------------
 
 PROMPTS = {"base": ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"],
            "tiny.en": ["<|startoftranscript|>", "<|notimestamps|>"]}

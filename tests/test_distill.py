@@ -1,4 +1,4 @@
-"""specwhisper.distill: a trained shared-encoder draft from the target's own transcripts.
+"""specwhisper.tools.distill: a trained shared-encoder draft from the target's own transcripts.
 
 A tiny random target (the `multilingual` fixture) and three bundled clips keep every run to a few
 seconds; the teacher's transcripts are capped at 16 tokens."""

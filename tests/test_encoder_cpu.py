@@ -1,4 +1,4 @@
-"""The CPU encoder fast path (`specwhisper/encoder_cpu.py`) against the reference forward: features
+"""The CPU encoder fast path (`specwhisper/model/encoder_cpu.py`) against the reference forward: features
 equal to float rounding, independent of batch neighbours, rebuilt after weights change, and the
 real base model's greedy tokens unchanged on long speech."""
 from __future__ import annotations

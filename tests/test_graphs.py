@@ -1,4 +1,4 @@
-"""specwhisper.graphs: eager behaviour and misuse errors everywhere; capture == eager on CUDA."""
+"""specwhisper.engine.graphs: eager behaviour and misuse errors everywhere; capture == eager on CUDA."""
 from __future__ import annotations
 
 import os

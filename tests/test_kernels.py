@@ -1,6 +1,6 @@
 """Kernels == reference, bit for bit, over odd shapes: the rejection-sampling step (tokens and
 n_emitted, with shared noise), counter-based noise and race sampling, for the Triton kernels
-(interpreted on CPU tensors; compiled on CUDA), the C++ CPU ops, and the dispatcher (ops.py)."""
+(interpreted on CPU tensors; compiled on CUDA), the C++ CPU ops, and the dispatcher (backends/ops.py)."""
 from __future__ import annotations
 
 import os

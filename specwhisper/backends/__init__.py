@@ -1,5 +1,7 @@
 """Device backends: every device-dependent decision of the engine in one object per device
-(`base.Backend` is the interface; `cpu.py`, `cuda.py`). `backend_for(device)` picks one."""
+(`base.Backend` is the interface; `cpu.py`, `cuda.py`). `backend_for(device)` picks one. Beside
+them, the ops they run: `ops.py` (sampling ops: Triton, C++ or the reference) and `cpu_ops.py`
+(the C++ decoder-step ops)."""
 from __future__ import annotations
 
 import functools

@@ -51,7 +51,7 @@ class Backend:
     def compact_draft(self, model, own_encoder: bool) -> None:
         """Compact a draft model: its decoder's projections in bfloat16, read as int8 copies by its
         C++ step, and, for a draft with its own encoder on a CPU with bfloat16 arithmetic, its
-        encoder in bfloat16 (`model.Whisper.compact_*`). A draft only proposes: the output stays
+        encoder in bfloat16 (`model.whisper.Whisper.compact_*`). A draft only proposes: the output stays
         exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes

@@ -5,12 +5,12 @@ ninja on first use) beside the PyTorch reference of each op, with the same signa
   weight float32 or bfloat16 (a bfloat16 weight with a float32 x screens the output head).
 - `gather_dot(x [M, K], weight [V, K], ids [M, C])`: x[m] · weight[ids[m, c]], bit-identical to
   `linear`'s value for that token (the exact recompute of a screened head's candidates).
-- `screened_argmax(...)`: the screened int8 greedy head of `head.py` in one op.
+- `screened_argmax(...)`: the screened int8 greedy head of `model/head.py` in one op.
 - `attention(q [B, T, H, D], k_cache, v_cache [B, H, S, D], n_keys [B, T], scale)`: each query reads
   keys 0..n_keys-1 -> [B, T, H * D].
 - `kv_write(k_cache, v_cache, k, v, pos [B, T])`: cache[b, :, pos[b, t]] = new[b, t].
 - `decoder_layers(...)`: all decoder layers of a step in one call (the ops above, in the order
-  of `model.DecoderLayer.forward_rows`): no per-op Python overhead.
+  of `model.whisper.DecoderLayer.forward_rows`): no per-op Python overhead.
 
 Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory bandwidth and
 2-3 rows as repeated GEMVs; these ops read every weight once for all rows, and compute each
@@ -126,7 +126,7 @@ def attention(q, k_cache, v_cache, n_keys, scale):
 
 
 def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross, n_heads, eps):
-    """Every decoder layer of one step in one C++ call: `model.DecoderLayer.forward_rows` per
+    """Every decoder layer of one step in one C++ call: `model.whisper.DecoderLayer.forward_rows` per
     layer, the same ops in the same order (callers check `active` first)."""
     return _ops().decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross,
                                  n_heads, eps)

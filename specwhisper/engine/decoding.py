@@ -43,7 +43,7 @@ class LoadedModel:
         suppress[[t for t in tok.suppress_tokens if t < vocab]] = True
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
-        # greedy reads an int8 copy of the head, exactly, where the backend says so (see head.py)
+        # greedy reads an int8 copy of the head, exactly, where the backend says so (see model/head.py)
         head = ScreenedHead(model.decoder.embed_tokens.weight) if backend.screens_head(dtype) else None
         return cls(model, tok, path, suppress, begin, head, backend)
 

@@ -376,7 +376,7 @@ class Runner:
     def align(self, slots: list[int], requests: list) -> list[tuple[torch.Tensor, list[float]]]:
         """The alignment pass (word timestamps) of the windows in `slots`, one batch over the
         cross-attention K/V they hold -> per window (the alignment heads' cross-attention logits,
-        its text tokens' probabilities); see alignment.py."""
+        its text tokens' probabilities); see longform/alignment.py."""
         from ..longform.alignment import alignment_pass
 
         idx = torch.tensor(slots, device=self.device)

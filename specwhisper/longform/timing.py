@@ -7,7 +7,7 @@ over the tokens, a median filter (width 7) along time, the mean over heads, dyna
 (DTW) of the tokens against the frames, the tokens split into words (at spaces, or at every whole
 character for languages written without spaces), punctuation merged into its neighbour, and the
 word times adjusted to the segments (`add_word_timestamps`). The long-form adjustments that use
-the words (seek after the last word, skipping silence before hallucinations) are in longform.py.
+the words (seek after the last word, skipping silence before hallucinations) are in transcribe.py.
 
 Names follow openai's: alignment_heads, median_filter, dtw, find_alignment, split_to_word_tokens,
 merge_punctuations, add_word_timestamps, word_anomaly_score, is_segment_anomaly.

@@ -3,7 +3,7 @@
 `decode_window_reference` is openai-whisper's `DecodingTask` for one window (greedy or sampled at
 one temperature, no beams, no best-of): a plain token-by-token loop over our model with the full
 logits and `rules.apply_rules`. It is the spec the engine's runner (speculative, batched) must
-reproduce; long-form decoding (`longform.py`) only sees `WindowRequest -> WindowResult`.
+reproduce; long-form decoding (`transcribe.py`) only sees `WindowRequest -> WindowResult`.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The Whisper encoder on the CPU in float32 at GEMM speed: the same arithmetic as `Encoder`'s
-reference forward (`model.py`), arranged so that almost all of the time is matrix products.
+reference forward (`whisper.py`), arranged so that almost all of the time is matrix products.
 
 What differs from the reference (every product and sum is still float32, over the full 1500
 positions; only rounding order changes, ≈ 1e-3 on the features, and greedy tokens stay

@@ -10,7 +10,7 @@ driver is gone, however it died) the watchdog terminates every process it noted 
 (SIGTERM, then SIGKILL after a grace period) and exits. psutil (vendored by Ray) checks each
 process's start time, so a reused pid is never signalled.
 
-Run as `python -m specwhisper.ray_reaper DRIVER_PID` with the pipe on stdin.
+Run as `python -m specwhisper.serving.ray_reaper DRIVER_PID` with the pipe on stdin.
 """
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bulk(args) -> int:
-    """Transcribe a folder or glob of audio files on a Ray cluster (see specwhisper/distributed.py).
+    """Transcribe a folder or glob of audio files on a Ray cluster (see specwhisper/serving/distributed.py).
     Errors the user can act on are one line on stderr; the exit code says what happened
     (distributed.EXIT_*: 0 all done, 1 some files failed, 2 input/options, 3 output folder,
     4 model folder, 5 Ray)."""

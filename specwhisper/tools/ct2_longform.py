@@ -8,7 +8,7 @@ The windows are walked as openai-whisper's `transcribe()` seeks (greedy, timesta
 seek to the last complete segment's end, or past the window when it ends on a single timestamp),
 without its previous-text prompt or temperature fallback: a plain greedy long-form pass.
 
-    python -m specwhisper.ct2_longform CT2_DIR MEL.npy THREADS COMPUTE_TYPE PROMPT_IDS_JSON TIMESTAMP_BEGIN EOT
+    python -m specwhisper.tools.ct2_longform CT2_DIR MEL.npy THREADS COMPUTE_TYPE PROMPT_IDS_JSON TIMESTAMP_BEGIN EOT
 
 prints one JSON line {"tokens": [text tokens of every kept segment], "seconds": wall time after
 the model was loaded, "windows": windows decoded}.
