@@ -29,6 +29,9 @@ with torch.inference_mode():
     assert torch.allclose(cpu_ops.linear(x, w), x @ w.T, atol=1e-4)
 assert len(list((installed / "samples").glob("*.wav"))) >= 8
 assert backend_for("cpu").name == "cpu"  # the backends subpackage is installed
+for sub in ("model", "engine", "backends", "longform", "serving", "tools", "kernels", "samples"):
+    assert (installed / sub / "__init__.py").is_file(), f"subpackage {sub} is not installed"
+import specwhisper.tools.cli  # the console script's module (specwhisper.tools.cli:main)
 print("ok", installed)
 """
 
