@@ -1,6 +1,6 @@
 // Decoder-step ops for the CPU: small-row linear layers, decode attention, cache writes.
 //
-// Reference and spec: specwhisper/cpu_ops.py (`linear_reference`, `attention_reference`,
+// Reference and spec: specwhisper/backends/cpu_ops.py (`linear_reference`, `attention_reference`,
 // `kv_write_reference`). A decode step multiplies a handful of rows (1..k+1 per batch row) by
 // every weight matrix; what matters is reading each weight byte once, at memory bandwidth.
 // torch's CPU GEMM runs 2-3 rows as repeated GEMVs and a 1-row GEMV at about half the bandwidth
@@ -479,7 +479,7 @@ at::Tensor gather_dot(const at::Tensor& x, const at::Tensor& weight, const at::T
   return out;
 }
 
-// Exact greedy argmax through an int8 screen (spec: specwhisper/head.py ScreenedHead).
+// Exact greedy argmax through an int8 screen (spec: specwhisper/model/head.py ScreenedHead).
 // packed: int8 weights q in blocks of 8 vocabulary rows, [ceil(V/8), K/8, 8, 8] (row j of a block
 // and features 8c..8c+7 at [block, c, j, :]), so one block streams as one sequential run.
 // Approximate logit a_v = fl(scale_v * dot(q_v, h)), the dot computed with linear_rows' order of
@@ -1323,10 +1323,10 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 }
 
 // ------------------------------------------------------------------ whole decoder blocks
-// All decoder layers of one step in one call (spec: specwhisper/model.py DecoderLayer.forward_rows,
+// All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
 // the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
 // step (≈ 16 ops a layer). params: 18 tensors per layer, in the order of `layer_params` in
-// model.py. Caches: [n_layers, B, H, S, D] views.
+// model/whisper.py. Caches: [n_layers, B, H, S, D] views.
 at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const at::Tensor& self_k,
                           const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v,
                           const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,
