@@ -72,7 +72,7 @@ def test_products_at_the_int32_limit():
     """The 16-bit range R shrinks with K so that 127 · R · K < 2^31: at K = 4096 every product
     at its extreme (q = 127, p = R) sums to 2 147 352 576 without overflowing, and a wrong sign
     anywhere would change the argmax."""
-    from specwhisper.head import q16_range
+    from specwhisper.model.head import q16_range
 
     K = 4096
     assert 127 * q16_range(K) * K < 2**31 <= 127 * (q16_range(K) + 1) * K
