@@ -15,8 +15,8 @@
 //
 // Vector code needs AVX2 + FMA (checked at run time; a scalar path with the same operation order
 // serves other CPUs, so results are identical either way). The int8 screen of the output head
-// also has an AVX-512 form: its approximate logits may be summed in any order (head.py's bound
-// covers it), and the exact recheck keeps linear_rows' order, so the argmax is the same.
+// multiplies in exact integers (the same products at every vector level), and its exact recheck
+// keeps linear_rows' order, so the argmax is the same.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -482,9 +482,9 @@ at::Tensor gather_dot(const at::Tensor& x, const at::Tensor& weight, const at::T
 // Exact greedy argmax through an int8 screen (spec: specwhisper/model/head.py ScreenedHead).
 // packed: int8 weights q in blocks of 8 vocabulary rows, [ceil(V/8), K/8, 8, 8] (row j of a block
 // and features 8c..8c+7 at [block, c, j, :]), so one block streams as one sequential run.
-// Approximate logit a_v = fl(scale_v * dot(q_v, h)), the dot computed with linear_rows' order of
-// operations; bound b_v = fl(|h| * bound_v) + tiny with bound_v >= (|w_v - scale_v q_v| + float
-// error terms) per unit |h| (see head.py). Candidates: v with fl(a_v + b_v) >= max_w fl(a_w - b_w);
+// Approximate logit a_v = fl(fl(P_v) * fl(scale_v * s_h)) with P_v = q_v . p the exact int32 product
+// of the row rounded to 16 bits (quantize_rows16); bound b_v = fl(|h| * bound_v) + tiny with
+// bound_v >= (|w_v - scale_v q_v| + the rounding of h + float error terms) per unit |h| (see head.py). Candidates: v with fl(a_v + b_v) >= max_w fl(a_w - b_w);
 // their exact float32 logits (linear_rows' arithmetic) decide, ties to the lowest id.
 // banned: bool [V] or [N, V]. Any number of candidates.
 constexpr int64_t kQB = 8;  // vocabulary rows per int8 block
@@ -539,10 +539,10 @@ __attribute__((target("avx2,fma"))) void q8_rows(const float* x, int64_t M, int6
   if (M - m == 1) q8_block<1, 8, int8_t>(x + m * K, K, blk, 0, out + m * ldo, ldo);
 }
 
-// The same screen products with AVX-512: one zmm holds two vocabulary rows of a block (lanes
-// 0-7 row j, 8-15 row j+1) against the input's 8 features broadcast to both halves, so each
-// int8 load and widening serves 16 products (the approximate logits may be summed in any order:
-// head.py's bound covers it). MR input rows at a time (4 row pairs x MR accumulators).
+// The same int8 products with AVX-512 (linear_q8: the drafts' projections): one zmm holds two
+// vocabulary rows of a block (lanes 0-7 row j, 8-15 row j+1) against the input's 8 features
+// broadcast to both halves, so each int8 load and widening serves 16 products, each half summed
+// by hsum8 like the AVX2 lanes. MR input rows at a time (4 row pairs x MR accumulators).
 template <int MR, bool PF = false>
 __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_block512(const float* x, int64_t K, const int8_t* blk,
                                                                      float* out, int64_t ldo,

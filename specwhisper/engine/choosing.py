@@ -31,7 +31,7 @@ class Modes(NamedTuple):
     any_timestamps: bool  # a row under the timestamp rules
     any_sampled: bool  # a row sampled at a temperature above 0
     any_ruled: bool  # a greedy row under the timestamp rules, through the screened head
-    keep_hidden: bool = True  # a greedy row whose log-probabilities are wanted (`kept_logprob`)
+    keep_hidden: bool  # a greedy row whose log-probabilities are wanted (`kept_logprob`)
 
 
 @dataclass
