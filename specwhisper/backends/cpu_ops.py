@@ -186,7 +186,7 @@ def _ops():
 def _build() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
-    from .ops import build_dir, csrc_dir  # one build folder and one source folder for every extension
+    from .ops import build_dir, csrc_dir, hold_build_lock  # one build folder and one source folder for all
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -195,6 +195,8 @@ def _build() -> None:
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into this
     # extension; without the flag every op silently runs on one thread (half the bandwidth here)
     cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
-    with importlib.resources.as_file(csrc_dir() / "decode_ops.cpp") as source:
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(importlib.resources.as_file(csrc_dir() / "decode_ops.cpp"))
+        hold_build_lock(stack, directory)
         load(name="specwhisper_decode_ops", sources=[str(source)], build_directory=str(directory),
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

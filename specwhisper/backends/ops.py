@@ -278,6 +278,7 @@ def _build_cpp_extension() -> None:
         digest = hashlib.sha256(b"".join(Path(h).read_bytes() for h in headers)).hexdigest()[:16]
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
+        hold_build_lock(stack, directory)
         # -ffp-contract=off: no FMA contraction, so the fp32 exp / log match the reference bit for
         # bit; -fno-trapping-math only lets the loops vectorise (it changes no result).
         cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd",
@@ -285,6 +286,21 @@ def _build_cpp_extension() -> None:
         load(name="specwhisper_C", sources=sources, build_directory=str(directory),
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)
+
+
+def hold_build_lock(stack: contextlib.ExitStack, directory: Path) -> None:
+    """Hold an OS file lock on `directory` for the build, then remove torch's own lock file there.
+    torch marks a build in progress with a plain file (`lock`) and waits, without end, while it
+    exists; a build that was killed (Ctrl-C during the first import) leaves it behind and every later
+    import would hang. The OS releases our lock when its holder dies, so whoever holds it knows no
+    other specwhisper build is running in this folder and that a `lock` file there is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: keep torch's behaviour
+        return
+    handle = stack.enter_context(open(directory / "specwhisper.lock", "a"))
+    fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes, or the process dies
+    (directory / "lock").unlink(missing_ok=True)
 
 
 def csrc_dir():
