@@ -1322,6 +1322,53 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
     }
 }
 
+// ------------------------------------------------------------------ appending a pass's tokens
+// The bookkeeping of `Runner.commit_target` in one call (spec: backends/cpu_ops.py
+// commit_tokens_reference): per row i of slot s = slots[i], append the first m of choice[i]
+// (m = n_emit[i], cut after the first EOT among them and at the budget; 0 for a done row) to
+// tokens[s] at n_tokens[s], advance n_tokens[s] by m and set done[s] when the row's last token is
+// EOT or its length reached the budget -> m [B]. A step's ≈ 30 tiny tensor ops on a CPU, which
+// cost more than they compute.
+at::Tensor commit_tokens(at::Tensor tokens, at::Tensor n_tokens, at::Tensor done, const at::Tensor& budget,
+                         const at::Tensor& slots, const at::Tensor& choice, const at::Tensor& n_emit, int64_t eot) {
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.stride(1) == 1,
+              "commit_tokens: tokens must be int64 [S, L] with contiguous rows");
+  TORCH_CHECK(n_tokens.scalar_type() == at::kLong && budget.scalar_type() == at::kLong && done.scalar_type() == at::kBool
+              && n_tokens.dim() == 1 && budget.dim() == 1 && done.dim() == 1,
+              "commit_tokens: n_tokens, budget int64 [S], done bool [S]");
+  TORCH_CHECK(choice.scalar_type() == at::kLong && choice.dim() == 2 && slots.scalar_type() == at::kLong
+              && n_emit.scalar_type() == at::kLong && slots.dim() == 1 && n_emit.dim() == 1
+              && slots.size(0) == choice.size(0) && n_emit.size(0) == choice.size(0),
+              "commit_tokens: choice int64 [B, T], slots and n_emit int64 [B]");
+  const int64_t B = choice.size(0), T = choice.size(1), S = tokens.size(0), L = tokens.size(1);
+  auto m_out = at::empty({B}, choice.options());
+  int64_t* mp = m_out.data_ptr<int64_t>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  int64_t* np = n_tokens.data_ptr<int64_t>();
+  bool* dp = done.data_ptr<bool>();
+  const int64_t* bp = budget.data_ptr<int64_t>();
+  const auto ch = choice.accessor<int64_t, 2>();
+  const auto sl = slots.accessor<int64_t, 1>();
+  const auto ne = n_emit.accessor<int64_t, 1>();
+  const int64_t ts = tokens.stride(0), ns = n_tokens.stride(0), ds = done.stride(0), bs = budget.stride(0);
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t s = sl[i];
+    TORCH_CHECK(s >= 0 && s < S, "commit_tokens: slot ", s, " outside the pool");
+    const int64_t n = np[s * ns], cap = bp[s * bs];
+    int64_t m = std::min(ne[i], T + 1);
+    for (int64_t t = 0; t < std::min(ne[i], T); ++t)
+      if (ch[i][t] == eot) { m = std::min(m, t + 1); break; }
+    m = dp[s * ds] ? 0 : std::max<int64_t>(0, std::min(m, cap - n));
+    TORCH_CHECK(m <= T && n + m <= L, "commit_tokens: row ", s, " would append past its buffer");
+    for (int64_t t = 0; t < m; ++t) tp[s * ts + n + t] = ch[i][t];
+    const int64_t n_new = n + m;
+    np[s * ns] = n_new;
+    if (n_new >= 1 && (tp[s * ts + n_new - 1] == eot || n_new >= cap)) dp[s * ds] = true;
+    mp[i] = m;
+  }
+  return m_out;
+}
+
 // ------------------------------------------------------------------ whole decoder blocks
 // All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
 // the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
@@ -1389,6 +1436,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
+  m.def("commit_tokens(Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor slots, Tensor choice, Tensor n_emit, int eot) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
@@ -1398,6 +1446,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("screened_argmax", &screened_argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
+  m.impl("commit_tokens", &commit_tokens);
   m.impl("decoder_layers", &decoder_layers);
 }
 

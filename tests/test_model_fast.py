@@ -225,6 +225,39 @@ def test_kv_write_matches_reference():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+def test_commit_tokens_matches_reference():
+    """The fused append of a pass's tokens equals the reference on random states: done rows, EOT
+    first / inside / after the emitted prefix, budgets cutting the prefix or already reached,
+    slots in any order, T = 1 (a plain step) and T = 6 (a verify pass)."""
+    gen = torch.Generator().manual_seed(3)
+    eot, S, L = 7, 6, 24
+    for trial in range(300):
+        T = 1 if trial % 3 == 0 else 6
+        B = int(torch.randint(1, S + 1, (1,), generator=gen))
+        slots = torch.randperm(S, generator=gen)[:B]
+        n_tokens = torch.randint(1, 12, (S,), generator=gen)
+        budget = n_tokens + torch.randint(0, 8, (S,), generator=gen)
+        done = torch.rand(S, generator=gen) < 0.2
+        tokens = torch.randint(0, 10, (S, L), generator=gen)
+        choice = torch.randint(0, 10, (B, T), generator=gen)  # eot = 7: often inside
+        n_emit = torch.randint(1, T + 1, (B,), generator=gen)
+        ours = [t.clone() for t in (tokens, n_tokens, done)]
+        ref = [t.clone() for t in (tokens, n_tokens, done)]
+        m = cpu_ops.commit_tokens(*ours, budget, slots, choice, n_emit, eot)
+        m_ref = cpu_ops.commit_tokens_reference(*ref, budget, slots, choice, n_emit, eot)
+        assert torch.equal(m, m_ref), trial
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), trial
+    assert cpu_ops.active(tokens)  # the fused op ran, not the reference twice
+
+
+def test_commit_tokens_refuses_a_row_past_its_buffer():
+    tokens, n, done = torch.zeros(1, 4, dtype=torch.long), torch.tensor([3]), torch.tensor([False])
+    with pytest.raises(RuntimeError, match="past its buffer"):
+        cpu_ops.commit_tokens(tokens, n, done, torch.tensor([9]), torch.tensor([0]), torch.tensor([[1, 2]]),
+                              torch.tensor([2]), 7)
+
+
 def decoder_setup(folder, dtype, batch, seed=0):
     model = LoadedModel.load(folder, "cpu", dtype)
     gen = torch.Generator().manual_seed(seed)

@@ -63,6 +63,29 @@ def kv_write_reference(k_cache, v_cache, k, v, pos):
     v_cache.scatter_(2, index, v.transpose(1, 2))
 
 
+def commit_tokens_reference(tokens, n_tokens, done, budget, slots, choice, n_emit, eot):
+    """Per row i of slot s = slots[i]: append the first m of choice[i] to tokens[s] at n_tokens[s]
+    (m = n_emit[i], cut after the first EOT among them and at the budget; 0 for a done row), advance
+    n_tokens[s] by m, set done[s] when the last token is EOT or the budget is reached -> m [B].
+    Any device, no host read (CUDA graphs capture it)."""
+    T = choice.shape[1]
+    n = n_tokens[slots]
+    t = torch.arange(T, device=choice.device)
+    is_eot = (choice == eot) & (t[None] < n_emit[:, None])
+    first_eot = torch.where(is_eot.any(1), is_eot.long().argmax(1) + 1, T + 1)
+    m = torch.minimum(torch.minimum(n_emit, first_eot), budget[slots] - n)
+    m = torch.where(done[slots], 0, m.clamp(min=0))
+    keep = t[None] < m[:, None]
+    idx = n[:, None] + t[None]  # positions past m are written back unchanged
+    old = tokens[slots].gather(1, idx)
+    tokens[slots[:, None], idx] = torch.where(keep, choice, old)
+    n_new = n + m
+    n_tokens[slots] = n_new
+    last = tokens[slots].gather(1, (n_new - 1)[:, None])[:, 0]
+    done[slots] |= (last == eot) | (n_new >= budget[slots])
+    return m
+
+
 # ---------------------------------------------------------------- dispatch
 def active(x: torch.Tensor) -> bool:
     """Whether ops on tensors like `x` run the C++ extension (inference only: the ops have no
@@ -130,6 +153,13 @@ def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_sel
     layer, the same ops in the same order (callers check `active` first)."""
     return _ops().decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross,
                                  n_heads, eps)
+
+
+def commit_tokens(tokens, n_tokens, done, budget, slots, choice, n_emit, eot: int):
+    """`commit_tokens_reference` in one C++ call (the state tensors are updated in place)."""
+    if active(tokens):
+        return _ops().commit_tokens(tokens, n_tokens, done, budget, slots, choice, n_emit, eot)
+    return commit_tokens_reference(tokens, n_tokens, done, budget, slots, choice, n_emit, eot)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from .. import sampling
-from ..backends import backend_for
+from ..backends import backend_for, cpu_ops
 from ..constants import MAX_DRAFT_TOKENS as MAX_K
 from ..model.whisper import DecoderCache
 from . import rules
@@ -91,6 +91,7 @@ class Runner:
         sides = set() if drafter is None else {"draft"} | ({"rejection"} if sampling_rule == "rejection" else set())
         sizes = {"L": L, "K": MAX_K, "V": drafter.draft.config.vocab_size if drafter else 0, "D": cfg.d_model}
         self.state = SlotState.allocate(S, sizes, sides, device)
+        self.slot_ids = torch.arange(max(S, MAX_K + 1), device=device)  # slices of it: slots 0..B-1, offsets 0..k
         self.hosts = [HostSlot() for _ in range(S)]
         self.suppress = target.suppress  # [V] bool
         self.begin_suppress = target.begin_suppress
@@ -239,6 +240,8 @@ class Runner:
         every position (no [B, T, V] mask: three vocabulary-wide ops a step, multithreaded on
         tiny data)."""
         T = hidden.shape[1]
+        if not first and modes.any_plain and not (modes.any_ruled or modes.any_full):  # every row plain greedy
+            return greedy_tokens(self.target, self.target.head, hidden, self.suppress), None
         rows = Rows(self.state, slots, index[:, None] + 1 + torch.arange(T, device=self.device), proposals)
         banned = rows.banned_first(self.suppress, self.begin_suppress) if first else self.suppress
         logits_fn = self.target.model.decoder.logits
@@ -305,14 +308,14 @@ class Runner:
         `shared_sampling` (rejection mode)."""
         dec = self.target.model.decoder
         proposals = self.state.proposals[:B, :k] if k > 0 else None
-        slots = torch.arange(B, device=self.device)
-        n = self.state.n_tokens[:B]
-        pending = self.state.tokens[:B].gather(1, (n - 1)[:, None])  # [B, 1]
+        slots = self.slot_ids[:B]
+        last = (self.state.n_tokens[:B] - 1)[:, None]  # [B, 1] the pending token's index and position
+        pending = self.state.tokens[:B].gather(1, last)  # [B, 1]
         feed = pending if k == 0 else torch.cat([pending, proposals.clamp(min=0)], dim=1)
-        pos = (n - 1)[:, None] + torch.arange(k + 1, device=self.device)
+        pos = last if k == 0 else last + self.slot_ids[:k + 1]
         kv_len = min(int(self._host_n_max) + k + 1, self.max_pos + 1) if self.trim else None
         hidden = dec.hidden(feed, pos, DecoderCache(*(t[:, :B] for t in self.cache.buffers())), kv_len=kv_len)
-        choice, logits = self.choose(hidden, slots, n - 1, modes, proposals)  # [B, k+1]
+        choice, logits = self.choose(hidden, slots, last[:, 0], modes, proposals)  # [B, k+1]
         self.state.target_passes[:B] += 1
         if k == 0:
             n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -322,7 +325,7 @@ class Runner:
                 d2t = None if self.drafter.vocab.identity else self.draft_side.d2t
                 emitted, accepted = accept_by_rejection(
                     logits, self.state.draft_logits[:B, :k], proposals, choice, d2t, self.state.temperature[:B],
-                    self.state.top_p[:B], self.state.seed[:B], n - 1, shared)
+                    self.state.top_p[:B], self.state.seed[:B], last[:, 0], shared)
                 sampled = self.state.temperature[:B] > 0  # greedy rows keep their argmax choices
                 choice = torch.where(sampled[:, None], emitted, choice)
                 n_acc = torch.where(sampled, accepted, n_acc)
@@ -348,28 +351,20 @@ class Runner:
         None: none) add to their sums, and the decoder output `hidden` [B, T, d] that predicted
         each appended token is kept (a greedy row's log-probabilities, `greedy_logprob`; None: no
         row of the pass wants them). Done rows append nothing."""
-        T = choice.shape[1]
-        n = self.state.n_tokens[slots]
-        t = torch.arange(T, device=self.device)
-        is_eot = (choice == self.eot) & (t[None] < n_emit[:, None])
-        first_eot = torch.where(is_eot.any(1), is_eot.long().argmax(1) + 1, T + 1)
-        m = torch.minimum(torch.minimum(n_emit, first_eot), self.state.budget[slots] - n)
-        m = torch.where(self.state.done[slots], 0, m.clamp(min=0))
-        keep = t[None] < m[:, None]
-        idx = n[:, None] + t[None]
-        old = self.state.tokens[slots].gather(1, idx)
-        self.state.tokens[slots[:, None], idx] = torch.where(keep, choice, old)
+        st = self.state
+        if hidden is not None or logits is not None:
+            T = choice.shape[1]
+            idx = st.n_tokens[slots][:, None] + torch.arange(T, device=self.device)[None]  # before the append
+        m = cpu_ops.commit_tokens(st.tokens, st.n_tokens, st.done, st.budget, slots, choice, n_emit, self.eot)
+        if hidden is None and logits is None:
+            return m
+        keep = torch.arange(T, device=self.device)[None] < m[:, None]
         if hidden is not None:
-            self.state.hidden[slots[:, None], idx] = torch.where(keep[..., None], hidden.float(),
-                                                                 self.state.hidden[slots[:, None], idx])
+            st.hidden[slots[:, None], idx] = torch.where(keep[..., None], hidden.float(), st.hidden[slots[:, None], idx])
         if logits is not None:
             lp = torch.log_softmax(logits, dim=-1).gather(2, choice[..., None]).squeeze(2).double()  # [B, T]
-            sampled = self.state.temperature[slots] > 0
-            self.state.sum_logprob[slots] += torch.where(keep & sampled[:, None], lp, 0.0).sum(1)
-        n_new = n + m
-        self.state.n_tokens[slots] = n_new
-        last = self.state.tokens[slots].gather(1, (n_new - 1)[:, None])[:, 0]
-        self.state.done[slots] |= (last == self.eot) | (n_new >= self.state.budget[slots])
+            sampled = st.temperature[slots] > 0
+            st.sum_logprob[slots] += torch.where(keep & sampled[:, None], lp, 0.0).sum(1)
         return m
 
     @torch.inference_mode()

@@ -230,18 +230,16 @@ class Decoder(nn.Module):
         s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
         write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
-        layers = zip(self.layers, cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s],
-                     cache.cross_k[:, :b], cache.cross_v[:, :b])
+        rows = (cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b])
+        layers = zip(self.layers, *rows)
         if cpu_ops.active(x) and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
             # a query reads real slots up to its position, never the scratch slot
             n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
             n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
             write_pos = write_pos.long().contiguous()
             if self.fused_step:  # every layer in one C++ call (the same ops as forward_rows)
-                x = cpu_ops.decoder_layers(x, self.layer_params(), cache.self_k[:, :b, :, :s],
-                                           cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b],
-                                           write_pos, n_self, n_cross, self.layers[0].self_attn.n_heads,
-                                           self.layers[0].self_attn_layer_norm.eps)
+                x = cpu_ops.decoder_layers(x, self.layer_params(), *rows, write_pos, n_self, n_cross,
+                                           self.layers[0].self_attn.n_heads, self.layers[0].self_attn_layer_norm.eps)
                 return self.layer_norm(x)
             for layer, self_k, self_v, cross_k, cross_v in layers:
                 x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
