@@ -30,6 +30,25 @@ def test_fast_path_equals_reference(encoder):
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_int8_projections_stay_close_to_float32(encoder):
+    """A draft's encoder with int8 projections (`Whisper.int8_encoder`): features within a few
+    percent of the float32 reference, and really computed another way."""
+    if not encoder_cpu.int8_usable():
+        pytest.skip("this torch has no fbgemm int8 linear")
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(4))
+    encoder.int8_linears = True
+    try:
+        with torch.no_grad():
+            int8, ref = encoder(mel), encoder.reference(mel)
+    finally:
+        del encoder.int8_linears  # back to the class default (float32)
+    assert int8.shape == ref.shape and int8.dtype == torch.float32 and not torch.equal(int8, ref)
+    cosine = torch.nn.functional.cosine_similarity(int8[0], ref[0], dim=-1)
+    assert cosine.min() > 0.98, cosine.min()
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(mel), ref, rtol=1e-4, atol=1e-4)  # the float32 path again
+
+
 def test_a_window_does_not_depend_on_its_batch_neighbours(encoder):
     g = torch.Generator().manual_seed(1)
     mels = torch.randn(3, encoder.conv1.in_channels, 3000, generator=g)

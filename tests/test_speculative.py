@@ -137,6 +137,26 @@ def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, re
     assert shared.drafter.shared_encoder and shared.drafter.draft.model.encoder.conv1.weight.dtype == torch.float32
 
 
+def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, reference, monkeypatch):
+    """On a CPU without bfloat16 arithmetic (forced here) a compact draft with its own encoder runs
+    that encoder's projections in int8 (fbgemm): other proposals, the same output; never the
+    target's encoder, nor a shared-encoder draft's."""
+    from specwhisper.backends import cpu_ops
+    from specwhisper.model import encoder_cpu
+
+    if not cpu_ops.available() or not encoder_cpu.int8_usable():
+        pytest.skip("needs the C++ decode ops and fbgemm's int8 linear")
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: False)
+    engine = Engine(target, drafts["wrong"])
+    draft = engine.drafter.draft.model
+    assert draft.encoder.int8_linears and draft.encoder.conv1.weight.dtype == torch.float32
+    assert not engine.target.model.encoder.int8_linears
+    out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
+    assert [o.tokens for o in out] == reference[:2]
+    assert sum(o.stats.draft_passes for o in out) > 0
+    assert not Engine(target, drafts["shared"]).drafter.draft.model.encoder.int8_linears
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_max_new_tokens_cut_inside_a_run(k, target, mels, reference):
     engine = Engine(target, target)

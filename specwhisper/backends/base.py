@@ -50,13 +50,16 @@ class Backend:
 
     def compact_draft(self, model, own_encoder: bool) -> None:
         """Compact a draft model: its decoder's projections in bfloat16, read as int8 copies by its
-        C++ step, and, for a draft with its own encoder on a CPU with bfloat16 arithmetic, its
-        encoder in bfloat16 (`model.whisper.Whisper.compact_*`). A draft only proposes: the output stays
+        C++ step, and, for a draft with its own encoder, its encoder in bfloat16 on a CPU with
+        bfloat16 arithmetic, else its projections in int8 (`model.whisper.Whisper.compact_*`,
+        `int8_encoder`). A draft only proposes: the output stays
         exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
         if own_encoder and cpu_ops.native_bf16():
             model.compact_encoder()  # its own encoder pass: the largest part of its cost
+        elif own_encoder:
+            model.int8_encoder()  # no bfloat16 arithmetic (an AVX2 CPU): int8 projections instead
 
     def draft_cross_dtype(self, decoder, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype of a draft decoder's cross-attention K/V cache (None: `dtype`)."""

@@ -89,6 +89,7 @@ class Encoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     features_dtype: torch.dtype | None = None  # dtype of the returned features (None: the weights')
+    int8_linears = False  # a draft's encoder: projections in int8 on the fast CPU path (`Whisper.int8_encoder`)
     fast_cpu = True  # float32 on the CPU: `encoder_cpu` (oneDNN fused products); False: `reference`
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
@@ -342,6 +343,14 @@ class Whisper(nn.Module):
             layer.int8 = [pack_int8(w.detach().float()) for w in weights]
         self.decoder.int8 = True
         self.decoder.forget_layer_params()
+
+    def int8_encoder(self) -> bool:
+        """Run the encoder's projections in int8 on the CPU's fast path (`encoder_cpu`: fbgemm's
+        dynamic int8 GEMM, 4x float32's speed on an AVX2 CPU) -> whether it will. For a draft
+        with its own encoder on a CPU without bfloat16 arithmetic: proposals may change, the
+        verified output does not. Never for a target."""
+        self.encoder.int8_linears = encoder_cpu.int8_usable()
+        return self.encoder.int8_linears
 
     def compact_encoder(self) -> None:
         """Run the encoder in bfloat16 (weights and arithmetic; its features come out in
