@@ -266,6 +266,12 @@ class Runner:
 
     # ---------------------------------------------------------------- one iteration
     @torch.inference_mode()
+    def sync_draft(self, B: int) -> None:
+        """Feed the draft the tokens it has not seen (after iterations without drafting)."""
+        if not self.draft_side.synced:
+            self.draft_side.catch_up(B)
+
+    @torch.inference_mode()
     def draft(self, B: int, k: int, modes: Modes) -> None:
         """k proposals per row into `state.proposals[:B, :k]`, in target ids (-1: no usable proposal
         from there on): `DraftSide.propose`, eagerly over the live rows or graph-shaped."""

@@ -37,6 +37,11 @@ class Speculation:
                 # setup, its cross K/V and prompt, is small next to what it saves in a window)
                 self.backend.synchronize()
                 self.rule.charge(time.perf_counter() - t0, started)
+            # the draft catches up on the tokens of the plain steps before this iteration: a cost
+            # of resuming, paid once per run of plain steps, not per draft step; timed into the
+            # iteration it made a k = 1 probe after 16 plain steps look 3x too costly, and the
+            # inflated draft cost kept speculation off for the rest of a recording
+            self.runner.sync_draft(B)
         self.clock = self.backend.clock()
         return self.k
 
