@@ -276,8 +276,7 @@ class Runner:
         """k proposals per row into `state.proposals[:B, :k]`, in target ids (-1: no usable proposal
         from there on): `DraftSide.propose`, eagerly over the live rows or graph-shaped."""
         side = self.draft_side
-        if not side.synced:
-            side.catch_up(B)
+        self.sync_draft(B)  # done already by `Speculation.begin`, outside the iteration's clock
         if self.graphs is None:
             # the widest row's uncached tokens (a host read costs nothing on a CPU): a draft with
             # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
@@ -358,13 +357,12 @@ class Runner:
         each appended token is kept (a greedy row's log-probabilities, `greedy_logprob`; None: no
         row of the pass wants them). Done rows append nothing."""
         st = self.state
-        if hidden is not None or logits is not None:
-            T = choice.shape[1]
-            idx = st.n_tokens[slots][:, None] + torch.arange(T, device=self.device)[None]  # before the append
-        m = cpu_ops.commit_tokens(st.tokens, st.n_tokens, st.done, st.budget, slots, choice, n_emit, self.eot)
         if hidden is None and logits is None:
-            return m
-        keep = torch.arange(T, device=self.device)[None] < m[:, None]
+            return cpu_ops.commit_tokens(st.tokens, st.n_tokens, st.done, st.budget, slots, choice, n_emit, self.eot)
+        t = torch.arange(choice.shape[1], device=self.device)[None]
+        idx = st.n_tokens[slots][:, None] + t  # where the pass's tokens go (read before the append)
+        m = cpu_ops.commit_tokens(st.tokens, st.n_tokens, st.done, st.budget, slots, choice, n_emit, self.eot)
+        keep = t < m[:, None]
         if hidden is not None:
             st.hidden[slots[:, None], idx] = torch.where(keep[..., None], hidden.float(), st.hidden[slots[:, None], idx])
         if logits is not None:

@@ -169,7 +169,7 @@ def parameter_key(encoder) -> tuple:
 
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
     """mel [B, n_mels, frames] -> features [B, frames // 2, d] by the fast path (check `usable`)."""
-    int8 = bool(getattr(encoder, "int8_linears", False))
+    int8 = encoder.int8_linears
     key = (parameter_key(encoder), mel.shape[-1], int8)
     cached = encoder.__dict__.get("_packed_cpu")
     if cached is None or cached[0] != key:
