@@ -49,6 +49,55 @@ def test_int8_projections_stay_close_to_float32(encoder):
         torch.testing.assert_close(encoder(mel), ref, rtol=1e-4, atol=1e-4)  # the float32 path again
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,block", [(1500, 150), (12, 3), (12, 12), (7, 1)])
+def test_block_attention_equals_attention_block_by_block(T, block, dtype):
+    """`block_attention` against full attention run on each block alone, on contiguous and
+    strided (head-transposed) inputs; a length that is not a multiple of the block is refused."""
+    from specwhisper.model.whisper import block_attention
+
+    g = torch.Generator().manual_seed(T + block)
+    q, k, v = (torch.randn(2, T, 3, 16, generator=g).to(dtype).transpose(1, 2) for _ in range(3))  # [B, H, T, Dh]
+    want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, i:i + block], k[:, :, i:i + block], v[:, :, i:i + block], scale=1.0)
+        for i in range(0, T, block)], dim=2)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(block_attention(q, k, v, block), want, **tol)
+    torch.testing.assert_close(block_attention(q.contiguous(), k.contiguous(), v.contiguous(), block), want, **tol)
+    if block < T:
+        full = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+        assert not torch.allclose(full, want, atol=1e-3)
+    with pytest.raises(ValueError, match="multiple of"):
+        block_attention(q[:, :, :T - 1], k[:, :, :T - 1], v[:, :, :T - 1], T)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_local_attention_fast_path_equals_its_reference(encoder, int8):
+    """A draft's encoder with block attention (`Whisper.local_encoder`): the fast path equals the
+    reference forward with the same blocks, differs from full attention, and the last layer
+    stays global."""
+    if int8 and not encoder_cpu.int8_usable():
+        pytest.skip("this torch has no fbgemm int8 linear")
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = encoder.reference(mel)
+    encoder.attention_block, encoder.int8_linears = 150, int8
+    try:
+        assert encoder.layer_blocks(1500) == [150] * (len(encoder.layers) - 1) + [None]
+        assert encoder.layer_blocks(1499) == [None] * len(encoder.layers)  # not a multiple: full attention
+        with torch.no_grad():
+            fast, ref = encoder(mel), encoder.reference(mel)
+    finally:
+        del encoder.attention_block, encoder.int8_linears
+    assert not torch.allclose(ref, full, atol=1e-3)  # really attended locally
+    if int8:  # int8 projections: close, as in the test above
+        assert torch.nn.functional.cosine_similarity(fast[0], ref[0], dim=-1).min() > 0.98
+    else:
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(mel), full, rtol=1e-4, atol=1e-4)  # the packed weights follow back
+
+
 def test_a_window_does_not_depend_on_its_batch_neighbours(encoder):
     g = torch.Generator().manual_seed(1)
     mels = torch.randn(3, encoder.conv1.in_channels, 3000, generator=g)

@@ -150,11 +150,14 @@ def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, refere
     engine = Engine(target, drafts["wrong"])
     draft = engine.drafter.draft.model
     assert draft.encoder.int8_linears and draft.encoder.conv1.weight.dtype == torch.float32
+    assert draft.encoder.attention_block == 150  # and attention within 3 s blocks (`local_encoder`)
     assert not engine.target.model.encoder.int8_linears
+    assert engine.target.model.encoder.attention_block is None
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == reference[:2]
     assert sum(o.stats.draft_passes for o in out) > 0
-    assert not Engine(target, drafts["shared"]).drafter.draft.model.encoder.int8_linears
+    shared = Engine(target, drafts["shared"]).drafter.draft.model.encoder
+    assert not shared.int8_linears and shared.attention_block is None
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

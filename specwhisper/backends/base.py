@@ -52,10 +52,12 @@ class Backend:
         """Compact a draft model: its decoder's projections in bfloat16, read as int8 copies by its
         C++ step, and, for a draft with its own encoder, its encoder in bfloat16 on a CPU with
         bfloat16 arithmetic, else its projections in int8 (`model.whisper.Whisper.compact_*`,
-        `int8_encoder`). A draft only proposes: the output stays
-        exact."""
+        `int8_encoder`), its layers but the last attending within 3-second blocks
+        (`local_encoder`). A draft only proposes: the output stays exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
+        if own_encoder:
+            model.local_encoder()  # attention within 3 s blocks: a tenth of its largest part
         if own_encoder and cpu_ops.native_bf16():
             model.compact_encoder()  # its own encoder pass: the largest part of its cost
         elif own_encoder:

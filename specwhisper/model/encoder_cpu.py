@@ -25,7 +25,8 @@ The reordered weights are cached on the encoder and rebuilt when any parameter c
 A draft's own encoder may run its four projections per layer in int8 instead (`int8=True`,
 `Whisper.int8_encoder`: fbgemm's dynamic int8 GEMM, weights per output row, activations per call):
 4x faster than float32 on an AVX2 CPU without bfloat16 arithmetic. A draft only proposes, so the
-verified output stays exact; a target's encoder never takes it.
+verified output stays exact; a target's encoder never takes it. Such an encoder's layers but the
+last may also attend within 3-second blocks (`Whisper.local_encoder`), on either path.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class PackedEncoder:
 
     def __init__(self, encoder, frames: int = 3000, int8: bool = False):
         positions = frames // 2
+        blocks = encoder.layer_blocks(positions)
         pack = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
         # conv weight [O, C, 3] -> [O, C*3]: channel-major, kernel-minor, as `im2col` lays columns
@@ -73,13 +75,13 @@ class PackedEncoder:
         self.conv2 = (_pack(c2.weight.reshape(c2.out_channels, -1), positions), c2.bias.detach())
         self.positions = encoder.embed_positions.weight.detach()
         self.layers = []
-        for layer in encoder.layers:
+        for layer, block in zip(encoder.layers, blocks):
             a = layer.self_attn
             scale = a.head_dim ** -0.5
             qkv = torch.cat([a.q_proj.weight * scale, a.k_proj.weight, a.v_proj.weight])
             qkv_bias = torch.cat([a.q_proj.bias * scale, torch.zeros_like(a.q_proj.bias), a.v_proj.bias])
             self.layers.append(dict(
-                ln1=layer.self_attn_layer_norm, ln2=layer.final_layer_norm, heads=a.n_heads,
+                ln1=layer.self_attn_layer_norm, ln2=layer.final_layer_norm, heads=a.n_heads, block=block,
                 qkv=pack(qkv, qkv_bias, positions),
                 out=pack(a.out_proj.weight, a.out_proj.bias, positions),
                 fc1=pack(layer.fc1.weight, layer.fc1.bias, positions),
@@ -109,7 +111,12 @@ class PackedEncoder:
         h = F.layer_norm(x, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps)
         # head-major copies: the flash kernel runs ≈ 8% faster on them, the copy included
         q, k, v = _linear(h, p["qkv"]).view(1, T, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()  # [1, H, T, Dh]
-        o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # q is pre-scaled
+        if p["block"] is None:
+            o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # q is pre-scaled
+        else:
+            from .whisper import block_attention  # (whisper.py imports this module)
+
+            o = block_attention(q, k, v, p["block"])  # a draft's local layers (`Whisper.local_encoder`)
         o = o.transpose(1, 2).reshape(T, d)  # the kernel's output is [T, H, Dh] in memory: a view
         x = _linear_add(o, x, p["out"])  # x + out_proj(o)
         h = F.layer_norm(x, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps)
@@ -170,7 +177,7 @@ def parameter_key(encoder) -> tuple:
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
     """mel [B, n_mels, frames] -> features [B, frames // 2, d] by the fast path (check `usable`)."""
     int8 = encoder.int8_linears
-    key = (parameter_key(encoder), mel.shape[-1], int8)
+    key = (parameter_key(encoder), mel.shape[-1], int8, encoder.attention_block)
     cached = encoder.__dict__.get("_packed_cpu")
     if cached is None or cached[0] != key:
         cached = (key, PackedEncoder(encoder, mel.shape[-1], int8))
