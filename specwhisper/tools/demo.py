@@ -48,7 +48,8 @@ def vector_level() -> str:
         pass
     levels = [name for name, flag in (("avx2", "avx2"), ("avx512", "avx512f"), ("avx512-bf16", "avx512_bf16"),
                                       ("amx", "amx_tile")) if flag in flags]
-    held = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "CT2_FORCE_CPU_ISA")
+    held = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS",
+                                                    "CT2_FORCE_CPU_ISA")
             if os.environ.get(v)]
     return (f"{' + '.join(levels) or 'unknown'} (torch kernels: {torch.backends.cpu.get_cpu_capability()}"
             + (f"; held by {', '.join(held)}" if held else "") + ")")
