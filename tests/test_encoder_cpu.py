@@ -154,3 +154,44 @@ def test_real_base_tokens_unchanged_on_long_speech():
     finally:
         encoder.fast_cpu = True
     assert fast == ref and all(len(t) > 30 for t in fast)
+
+
+THREADS_PROBE = """
+import sys, torch, torch.nn.functional as F
+if sys.argv[1] == "specwhisper":
+    import specwhisper.backends.cpu_ops as ops
+    assert ops.strict_mkl()
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(1500, 512, generator=g), torch.randn(1024, 512, generator=g)
+q, k, v = (torch.randn(1, 8, 1500, 64, generator=g) for _ in range(3))
+out = {}
+for t in (1, 2):
+    torch.set_num_threads(t)
+    out[t] = (F.linear(x, w), F.scaled_dot_product_attention(q, k, v))
+print(all(torch.equal(a, b) for a, b in zip(out[1], out[2])))
+"""
+
+
+def test_gemms_do_not_depend_on_the_thread_count():
+    """MKL's AVX2 kernels (forced here, as on any CPU without AVX-512) round F.linear and the flash
+    attention differently at 1 and 2 threads; importing specwhisper puts MKL in its strict
+    reproducible mode, so the encoder and the cross K/V give the same bits on every thread count
+    (a Ray worker's 1 thread and its driver's 2). The bare-torch run shows the test has power
+    where MKL's kernels differ (not every MKL build and CPU do)."""
+    import os
+    import subprocess
+    import sys
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL")
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    env.pop("MKL_CBWR", None)
+
+    def same_bits(mode: str) -> bool:
+        done = subprocess.run([sys.executable, "-c", THREADS_PROBE, mode], capture_output=True, text=True,
+                              env=env, timeout=300, check=True)
+        return done.stdout.strip().splitlines()[-1] == "True"
+
+    assert same_bits("specwhisper")
+    if same_bits("torch"):
+        pytest.skip("this MKL gives thread-independent bits even without strict mode (no power here)")

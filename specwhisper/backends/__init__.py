@@ -8,9 +8,12 @@ import functools
 
 import torch
 
+from . import cpu_ops
 from .base import Backend
 from .cpu import CpuBackend
 from .cuda import CudaBackend
+
+cpu_ops.strict_mkl()  # before any MKL computation: thread-count independent GEMMs (see there)
 
 __all__ = ["Backend", "CpuBackend", "CudaBackend", "backend_for", "default_device"]
 

@@ -31,6 +31,7 @@ import functools
 import importlib.resources
 import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,34 @@ def kv_write(k_cache, v_cache, k, v, pos):
     if active(k):
         return _ops().kv_write(k_cache, v_cache, k, v, pos)
     return kv_write_reference(k_cache, v_cache, k, v, pos)
+
+
+MKL_CBWR_AUTO, MKL_CBWR_STRICT = 2, 0x10000  # mkl_cbwr_set's settings (MKL's mkl_cbwr.h)
+
+
+@functools.cache
+def strict_mkl() -> bool:
+    """Put MKL into its strict reproducible mode (`MKL_CBWR=AUTO,STRICT`) -> whether it is.
+
+    With its AVX2 kernels (any CPU without AVX-512, or MKL_ENABLE_INSTRUCTIONS=AVX2) MKL's GEMMs
+    split their work by thread count: torch's F.linear and its flash attention then round
+    differently at 1 and at 2 threads, so the encoder features, the cross K/V and from there a
+    no-speech probability (and, at a near tie, a token) depended on the thread count, e.g.
+    between a Ray worker (1 thread) and the process that started it. Strict mode makes them
+    thread-count independent, at no measured cost (the base encoder 426 vs 431 ms a window at
+    AVX2, 263 vs 264 ms with AVX-512). MKL accepts it only before its first computation, so
+    the package asks at import; an MKL_CBWR the user set is left alone (MKL reads it itself)."""
+    if "MKL_CBWR" in os.environ:
+        return "STRICT" in os.environ["MKL_CBWR"].upper()
+    if not torch.backends.mkl.is_available():
+        return False
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return lib.mkl_serv_cbwr_set(MKL_CBWR_AUTO | MKL_CBWR_STRICT) == 0
+    except (OSError, AttributeError):  # another platform, or MKL's symbols not exported
+        return False
 
 
 @functools.cache
