@@ -12,6 +12,8 @@ from concurrent.futures import Future
 from .api_errors import ApiError, error_response
 
 RETRY_AFTER_SECONDS = 1
+# a refused request's body is read and dropped, up to these bounds, before the refusal is sent
+DRAIN_SECONDS, DRAIN_BYTES = 2.0, 64 * 2**20
 
 
 class Admission:
@@ -71,9 +73,10 @@ class Admission:
 
 
 class UploadGuard:
-    """Pure-ASGI middleware: 413 for bodies over `max_upload_bytes` (at once from Content-Length,
-    and counted while chunked uploads stream), 429 for POSTs to `audio_routes` while `admission`
-    is full (before their upload is read), 408 when the whole body has not arrived `read_timeout`
+    """Pure-ASGI middleware: 413 for bodies over `max_upload_bytes` (from Content-Length, before
+    the body is kept anywhere, and counted while chunked uploads stream), 429 for POSTs to
+    `audio_routes` while `admission` is full (before their upload is kept; a refused body is read
+    and dropped first, within bounds: `drain`), 408 when the whole body has not arrived `read_timeout`
     seconds after the request started (a slow or stalled sender holds no slot for long), and
     `metrics.observe_request` for every request."""
 
@@ -98,6 +101,7 @@ class UploadGuard:
         try:
             refusal = self.refusal(scope, path)
             if refusal is not None:
+                await drain(receive)
                 return await refusal(scope, receive, send_observed)
             await self.app(scope, self.limited(receive), send_observed)
         finally:
@@ -137,9 +141,29 @@ class UploadGuard:
                 body_done = not message.get("more_body", False)
                 total += len(message.get("body", b""))
                 if total > self.max_upload_bytes:
+                    if not body_done:
+                        await drain(receive)
                     raise self.too_large(f"the request body exceeds {self.max_upload_bytes} bytes")
             return message
         return receive_limited
+
+
+async def drain(receive, seconds: float = DRAIN_SECONDS, max_bytes: int = DRAIN_BYTES) -> None:
+    """Read and drop what a refused request still sends (at most `max_bytes`, `seconds`). A
+    server that closes a connection with unread input makes the kernel reset it, and a reset
+    can discard the refusal before the client reads it (the client then sees "peer closed
+    connection" instead of a 413 or 429; seen on loaded machines). The body is not kept."""
+    total, deadline = 0, time.monotonic() + seconds
+    while total <= max_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return  # the client went away
+        total += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def route_path(scope) -> str:
