@@ -59,8 +59,10 @@ class Attention(nn.Module):
         q = q * self.head_dim**-0.5
         if block is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-        else:
+        elif mask is None:
             out = block_attention(q, k, v, block)
+        else:
+            raise ValueError("block attention takes no mask")
         b, _, t, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -386,8 +388,9 @@ class Whisper(nn.Module):
         """Let the encoder's layers but the last attend within blocks of `block` positions (150:
         3 s of audio, 10 blocks a window) instead of all 1500: a tenth of their attention's
         work, the largest part of a small encoder's pass (tiny.en with int8 projections, held to
-        AVX2: 155 -> 109 ms a window). For a draft with its own encoder: its proposals may change (tiny.en drafting
-        base: acceptance 0.87 -> 0.84 over four speech windows), the verified output does not."""
+        AVX2: 155 -> 109 ms a window). For a draft with its own encoder: its proposals may change
+        (tiny.en drafting base: acceptance 0.87 -> 0.84 over four speech windows), the verified
+        output does not."""
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         self.encoder.attention_block = block
