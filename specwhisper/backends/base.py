@@ -56,12 +56,12 @@ class Backend:
         (`local_encoder`). A draft only proposes: the output stays exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
-        if own_encoder:
-            model.local_encoder()  # attention within 3 s blocks: a tenth of its largest part
-        if own_encoder and cpu_ops.native_bf16():
-            model.compact_encoder()  # its own encoder pass: the largest part of its cost
-        elif own_encoder:
-            model.int8_encoder()  # no bfloat16 arithmetic (an AVX2 CPU): int8 projections instead
+        if own_encoder:  # its own encoder pass: the largest part of its cost
+            model.local_encoder()  # attention within 3 s blocks: a tenth of that pass's largest part
+            if cpu_ops.native_bf16():
+                model.compact_encoder()
+            else:
+                model.int8_encoder()  # no bfloat16 arithmetic (an AVX2 CPU): int8 projections instead
 
     def draft_cross_dtype(self, decoder, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype of a draft decoder's cross-attention K/V cache (None: `dtype`)."""
