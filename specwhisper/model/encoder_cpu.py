@@ -16,7 +16,11 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
 - attention is PyTorch's flash CPU kernel on head-major copies of q/k/v (≈ 8% faster than on
   strided views, the copy included), and its output ([T, H, Dh] in memory) feeds the out
   projection without a copy;
-- the two convolutions are im2col + inner product (their outputs come out [T, d], no transpose).
+- the two convolutions are inner products over time-major columns: the weights reordered
+  kernel-major ([O, 3·C]), the columns of output t are input frames s·t − 1, s·t, s·t + 1 side by
+  side, so they are an overlapping strided view of the zero-padded [T + 2, C] input (`im2col`) and
+  conv1's [T, d] output feeds conv2 without a transpose (conv2 14 → 6 ms a window for base: the
+  channel-major columns needed a transposing copy).
 
 Windows are encoded one at a time: a window's features never depend on its batch neighbours.
 The reordered weights are cached on the encoder and rebuilt when any parameter changes
@@ -71,9 +75,9 @@ class PackedEncoder:
         blocks = encoder.layer_blocks(positions)
         pack = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
-        # conv weight [O, C, 3] -> [O, C*3]: channel-major, kernel-minor, as `im2col` lays columns
-        self.conv1 = (_pack(c1.weight.reshape(c1.out_channels, -1), frames), c1.bias.detach())
-        self.conv2 = (_pack(c2.weight.reshape(c2.out_channels, -1), positions), c2.bias.detach())
+        # conv weight [O, C, 3] -> [O, 3*C]: kernel-major, channel-minor, as `im2col` lays columns
+        self.conv1 = (_pack(c1.weight.permute(0, 2, 1).reshape(c1.out_channels, -1), frames), c1.bias.detach())
+        self.conv2 = (_pack(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), positions), c2.bias.detach())
         self.positions = encoder.embed_positions.weight.detach()
         self.layers = []
         for layer, block in zip(encoder.layers, blocks):
@@ -95,8 +99,8 @@ class PackedEncoder:
 
     def window(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [n_mels, frames] -> [frames // 2, d]."""
-        x = GELU_(_linear(im2col(mel, 1), self.conv1))  # [frames, d]
-        x = GELU_(_linear(im2col(x.t(), 2), self.conv2))  # [frames // 2, d]
+        x = GELU_(_linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
+        x = GELU_(_linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
         x.add_(self.positions[: x.shape[0]])
         for layer in self.layers:
             x = self.block(x, layer)
@@ -163,10 +167,11 @@ def int8_usable() -> bool:
 
 
 def im2col(x: torch.Tensor, stride: int) -> torch.Tensor:
-    """x [C, T] -> the columns of a kernel-3, padding-1 convolution: [T', C * 3]."""
-    C = x.shape[0]
-    cols = F.pad(x, (1, 1)).unfold(1, 3, stride)  # [C, T', 3]
-    return cols.permute(1, 0, 2).reshape(cols.shape[1], C * 3)
+    """x [T, C] (time-major) -> the columns of a kernel-3, padding-1 convolution, kernel-major:
+    [T', 3 * C], row t = x[s·t − 1], x[s·t], x[s·t + 1] (zeros outside), T' = (T − 1) // s + 1. A
+    view of the padded input whose rows overlap (oneDNN reads it in place)."""
+    T, C = x.shape
+    return F.pad(x, (0, 0, 1, 1)).as_strided(((T - 1) // stride + 1, 3 * C), (stride * C, 1))
 
 
 def parameter_key(encoder) -> tuple:
