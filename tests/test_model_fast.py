@@ -102,14 +102,16 @@ def test_ops_in_another_thread_run_on_the_extensions_pool_with_the_same_bits():
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_every_vector_level_gives_the_same_bits(wdtype):
+@pytest.mark.parametrize("K", [96, 100])  # 100: each dot product ends with a scalar tail
+def test_every_vector_level_gives_the_same_bits(wdtype, K):
     """The scalar, AVX2 and AVX-512 forms of the ops compute the same operations in the same
     order (the determinism contract of csrc/decode_ops.cpp): equal bits, whichever path a CPU
-    takes. A level the CPU lacks runs the best it has."""
+    takes. A level the CPU lacks runs the best it has. 7 input rows and 3 queries: the tiles'
+    sums are taken two rows at a time and for a lone row (`hsum8_many`)."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(1003, 96, generator=gen).to(wdtype)
+    weight = torch.randn(1003, K, generator=gen).to(wdtype)
     bias = torch.randn(1003, generator=gen)
-    x = torch.randn(7, 96, generator=gen)
+    x = torch.randn(7, K, generator=gen)
     q = torch.randn(2, 3, 4, 64, generator=gen)
     kc, vc = (torch.randn(2, 4, 300, 64, generator=gen).to(wdtype) for _ in range(2))
     n_keys = torch.tensor([[300, 17, 1], [5, 299, 64]])
