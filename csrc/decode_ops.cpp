@@ -289,13 +289,16 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, 
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
     if (PF && (k * sizeof(W)) % 64 == 0)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (PF + j) * K + k), _MM_HINT_T0);
-    for (int i = 0; i < MR; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+    // the rows' features, then one weight register at a time: 12 accumulators + 3 + 1 = 16
+    // registers for 3 rows (4 weight registers made 17 and GCC kept an accumulator on the stack,
+    // a store-to-load round trip in its chain every step)
+    __m256 xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+    for (int j = 0; j < NR; ++j) {
+      const __m256 wv = load8(w + j * K + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
     }
   }
   float sums[MR][NR];
