@@ -343,10 +343,29 @@ def test_draft_length_rule():
     assert short.best()[0] == 2
 
     tie = DraftLength(None)  # a draft that only ties plain steps stays off (their bookkeeping is not timed)
-    tie.spec, tie.plain = (1.02, 1.0), (1.0, 1.0)
+    tie.spec, tie.plain = (10.2, 10.0), (10.0, 10.0)
     assert not tie.pays()
-    tie.spec = (1.1, 1.0)
+    tie.spec = (11.0, 10.0)
     assert tie.pays()
+    tie.spec = (2.0, 20.0)  # one slow speculative iteration alone does not decide: the model does
+    assert tie.pays()
+
+    # base's distilled draft held to AVX2 on the demo recording (measured costs, in plain passes):
+    # a plain step, then a first iteration that keeps 1 of 3 proposals on cold caches and costs
+    # more per token than plain steps; it stays on, and its later iterations show it pays
+    first = DraftLength(None)
+    first.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.1, 1.13, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+                    cost_ratio=0.25, setup_seconds=0.0)
+    assert first.k == 0
+    first.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
+    k = first.k
+    assert k > 0
+    first.update(k, [1], [False], draft_seconds=0.35 * k, verify_seconds=1.2)  # 2 tokens, 1.1 passes each
+    assert first.k > 0
+    for i in range(40):  # then 2-4 tokens an iteration at about 0.45 passes a token
+        k = first.k
+        first.update(k, [min(k, [3, 2, 3, 1][i % 4])], [False], draft_seconds=0.25 * k, verify_seconds=1.15)
+    assert first.pays() and first.spec[0] >= first.MEASURED_TOKENS
 
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)

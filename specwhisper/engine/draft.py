@@ -222,8 +222,9 @@ class DraftLength:
       over the running number of tokens per window: s = setup / tokens per window, the setup
       in plain passes too (timed beside one, so a busy spell does not shift the balance).
     The gain of k is 1 / ((k·c + v(k+1)) / E(k) + s); k in 1..8 maximizes it. Speculation runs
-    while the best gain exceeds MARGIN and, once both are measured, the speculative iterations'
-    emitted tokens per second (setup included) beat the plain steps' by MARGIN too. One plain step
+    while the best gain exceeds MARGIN and, once both are measured (speculation over at least
+    MEASURED_TOKENS tokens), the speculative iterations' emitted tokens per second (setup
+    included) beat the plain steps' by MARGIN too. One plain step
     every 16 speculative iterations keeps the plain rate fresh; while speculation is off, a k = 1
     probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
     after twice as many each time, but only where a draft that is always right would pay (so a
@@ -238,6 +239,11 @@ class DraftLength:
     RUN_DECAY = 0.97  # ... in the per-position acceptance counts (sparser: slower to forget)
     PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
     MARGIN = 1.05  # speculation must promise, and measure, this much faster than plain steps
+    # the measured speculative rate decides from this many (decayed) tokens on; before, the model
+    # does. One first iteration that kept 1 of 3 proposals on cold caches (10 ms a token against 9
+    # for plain steps, held to AVX2) switched base's distilled draft off for a whole recording,
+    # where it pays 1.5x: the lone k = 1 probes that followed could not outweigh it
+    MEASURED_TOKENS = 8.0
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
@@ -331,7 +337,7 @@ class DraftLength:
     def pays(self) -> bool:
         if self.best()[1] <= self.MARGIN:
             return False
-        if self.spec is None or self.plain is None:
+        if self.spec is None or self.plain is None or self.spec[0] < self.MEASURED_TOKENS:
             return True
         spec_time = self.spec[1] / self.spec[0] + self.setup_share() * (self.plain_pass or 0.0)
         return self.plain[1] / self.plain[0] > self.MARGIN * spec_time
