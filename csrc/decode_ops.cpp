@@ -701,7 +701,7 @@ __attribute__((target("avx2,fma"))) void q16_block(const int16_t* x, int64_t K, 
 
 // q16_block's products for one half of the block (rows 4h..4h+3, the second 32 bytes of each
 // 64-byte step for h = 1) and MR input rows: 2 accumulators a row instead of 4, so one widening of
-// the weights serves 4 rows, not 3, in one group (a verify pass of 4 rows: 1.35 -> 1.03 ms for
+// the weights serves 4 rows, not 3, in one group (a verify pass of 4 rows: 1.35 -> 1.02 ms for
 // base's head held to AVX2). GCC spills accumulators from MR = 5 on (5 rows in one group cost 1.4x
 // 4 rows), so q16_rows makes groups of at most 4.
 template <int MR, bool PF>
@@ -749,7 +749,7 @@ __attribute__((target("avx2,fma"))) void q16_halves(int64_t rows, const int16_t*
 // Every row against one int8 block: 1 or 2 rows in one pass over the block (q16_block: the
 // one-row step's path; the halves measured slower there), 3 and more in balanced groups of at most
 // 4 over each half (5 rows: 3 + 2, 9: 3 + 3 + 3); the first group prefetches the next block.
-// Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.05 1.42 1.57 2.43 ms
+// Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.02 1.39 1.57 2.35 ms
 // (/tmp/headbench.py). The products are exact integer sums: the same bits in any grouping.
 __attribute__((target("avx2,fma"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
                                                   const int8_t* next, float* out, int64_t ldo) {

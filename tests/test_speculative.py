@@ -350,9 +350,9 @@ def test_draft_length_rule():
     tie.spec = (2.0, 20.0)  # one slow speculative iteration alone does not decide: the model does
     assert tie.pays()
 
-    # base's distilled draft held to AVX2 on the demo recording (measured costs, in plain passes):
-    # a plain step, then a first iteration that keeps 1 of 3 proposals on cold caches and costs
-    # more per token than plain steps; it stays on, and its later iterations show it pays
+    # costs as calibrated for base's distilled draft held to AVX2 (in plain passes): a plain step,
+    # then a first iteration that keeps 1 of 3 proposals on cold caches and costs more per token
+    # than plain steps; the draft stays on, and its later iterations show it pays
     first = DraftLength(None)
     first.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.1, 1.13, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
                     cost_ratio=0.25, setup_seconds=0.0)

@@ -241,8 +241,8 @@ class DraftLength:
     MARGIN = 1.05  # speculation must promise, and measure, this much faster than plain steps
     # the measured speculative rate decides from this many (decayed) tokens on; before, the model
     # does. One first iteration that kept 1 of 3 proposals on cold caches (10 ms a token against 9
-    # for plain steps, held to AVX2) switched base's distilled draft off for a whole recording,
-    # where it pays 1.5x: the lone k = 1 probes that followed could not outweigh it
+    # for plain steps, held to AVX2) switched a draft off before its rate was known, and the lone
+    # k = 1 probes that followed could not outweigh it
     MEASURED_TOKENS = 8.0
 
     def __init__(self, fixed: int | None):

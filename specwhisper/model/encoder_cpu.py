@@ -19,7 +19,7 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
 - the two convolutions are inner products over time-major columns: the weights reordered
   kernel-major ([O, 3·C]), the columns of output t are input frames s·t − 1, s·t, s·t + 1 side by
   side, so they are an overlapping strided view of the zero-padded [T + 2, C] input (`im2col`) and
-  conv1's [T, d] output feeds conv2 without a transpose (conv2 14 → 6 ms a window for base: the
+  conv1's [T, d] output feeds conv2 without a transpose (conv2 14 → 7 ms a window for base: the
   channel-major columns needed a transposing copy).
 
 Windows are encoded one at a time: a window's features never depend on its batch neighbours.
