@@ -5,8 +5,10 @@ seconds; the teacher's transcripts are capped at 16 tokens."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from specwhisper.tools.distill import (DistillOptions, Example, agreement, audio
                                        teacher_examples, teacher_forced_hidden)
 
 OPTS = DistillOptions(steps=3, batch_size=2, lr=1e-3, warmup=0, language="en", max_new_tokens=16,
-                      progress=False, device="cpu", pack=False)
+                      progress=False, device="cpu", pack=False, longform=False)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +176,9 @@ def test_cli(multilingual, clips, tmp_path, capsys):
                  "--steps", "2", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
                  "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    assert "2 steps in all" in printed and "over 1 window)" in printed  # three short clips: one window
+    # three short clips: one window, and as a recording, the long-form windows
+    found = re.search(r"2 steps in all .* over (\d+) windows, (\d+) of them long-form\)", printed)
+    assert found and int(found[1]) == 1 + int(found[2]) >= 2, printed
     assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
 
     many = tmp_path / "many"  # 12 windows: one is held out, and its agreement is printed
@@ -184,8 +188,9 @@ def test_cli(multilingual, clips, tmp_path, capsys):
             shutil.copy(path, many / f"{i}-{path.name}")
     assert main(["distill", "--target", str(multilingual), "--audio", str(many), "--out", str(tmp_path / "d2"),
                  "--steps", "1", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
-                 "--device", "cpu", "--holdout", "0.1", "--no-pack"]) == 0
-    assert "held-out agreement with the target (1 of 12 windows held out)" in capsys.readouterr().out
+                 "--device", "cpu", "--holdout", "0.1", "--no-pack", "--no-longform"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out agreement with the target (1 of 12 windows held out)" in printed and "long-form" not in printed
 
 
 def test_soft_targets_follow_the_labels_and_weigh_in_the_loss(multilingual, clips, tmp_path):
@@ -219,7 +224,7 @@ def test_soft_targets_follow_the_labels_and_weigh_in_the_loss(multilingual, clip
 
 
 def test_holdout_split_and_reported_agreement(multilingual, clips, tmp_path):
-    examples = [Example(torch.zeros(1), [1], [i]) for i in range(20)]
+    examples = [Example(torch.zeros(1), [1], [i], recording=i) for i in range(20)]
     train, held = split_holdout(examples, replace(OPTS, holdout=0.1))
     assert len(held) == 2 and len(train) == 18 and {id(e) for e in train}.isdisjoint(id(e) for e in held)
     again = split_holdout(examples, replace(OPTS, holdout=0.1))[1]
@@ -316,3 +321,86 @@ def test_the_draft_is_the_moving_average_of_the_trained_weights(multilingual, cl
     assert torch.equal(saved["model.decoder.embed_tokens.weight"], start["embed_tokens.weight"])
     with pytest.raises(ValueError, match="ema"):
         DistillOptions(ema=1.0)
+
+
+def test_longform_windows_teach_with_their_own_prompts(multilingual, clips, tmp_path, monkeypatch):
+    """With `longform`, the audio is also decoded as one recording by the long-form algorithm; each
+    window it decodes greedily is an Example with that window's prompt (timestamps allowed), held
+    out with its recording and cached."""
+    engine = Engine(multilingual, device="cpu")
+    tok = engine.target.tokenizer
+    opts = replace(OPTS, pack=True, longform=True)
+    examples = teacher_examples(engine, audio_files(clips), tmp_path / "cache", opts, [])
+    short = [e for e in examples if not e.longform]
+    long = [e for e in examples if e.longform]
+    assert len(short) == 1 and short[0].prompt[-1] == tok.no_timestamps  # three clips of 4-5 s: one window
+    assert long and all(e.prompt[-3:] == tok.sot_sequence("en", "transcribe") for e in long)
+    assert long[0].prompt == tok.sot_sequence("en", "transcribe")  # nothing before the first window
+    assert all(e.recording == 0 for e in examples)
+    assert all(e.soft_ids.shape[0] == len(e.labels) for e in long)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("a cached recording was decoded again")
+
+    monkeypatch.setattr(engine, "transcribe_long", no_decoding)
+    monkeypatch.setattr(engine, "transcribe", no_decoding)
+    again = teacher_examples(engine, audio_files(clips), tmp_path / "cache", opts, [])
+    assert [(e.prompt, e.tokens, e.longform) for e in again] == [(e.prompt, e.tokens, e.longform) for e in examples]
+
+
+def test_recordings_join_windows_and_are_held_out_whole(tmp_path):
+    import numpy as np
+
+    from specwhisper.tools.distill import PACK_GAP, RECORDING_WINDOWS, joined_audio, recordings_of
+
+    a, b = Path("a.wav"), Path("b.wav")
+    windows = [([a], 0, np.ones(5)), ([a], 1, np.ones(3)), ([b], 0, np.ones(2))]
+    joined = joined_audio(windows)  # a's second window continues it; b follows after a gap
+    assert joined.size == 5 + 3 + PACK_GAP + 2 and not joined[8:8 + PACK_GAP].any()
+    many = [([Path(f"{i}.wav")], 0, np.ones(1)) for i in range(RECORDING_WINDOWS + 2)]
+    assert [len(g) for g in recordings_of(many, True)] == [RECORDING_WINDOWS, 2]
+    assert [len(g) for g in recordings_of(many, False)] == [1] * len(many)
+
+    examples = [Example(torch.zeros(1), [1], [i], recording=i // 3, longform=i % 3 > 0) for i in range(36)]
+    train, held = split_holdout(examples, replace(OPTS, holdout=0.2))
+    assert len({e.recording for e in held}) == 2 and len(held) == 6  # 2 of 12 recordings, all their windows
+    assert {e.recording for e in train}.isdisjoint(e.recording for e in held)
+
+
+def test_longform_teacher_on_real_speech_gives_the_transcript_windows(tmp_path):
+    """base's long-form windows on 35 s of joined clips: timestamps in the tokens, each window's
+    prompt the text kept so far, and together the transcript `transcribe(timestamps=True)` gives;
+    a draft trained on them keeps that transcript exact."""
+    from conftest import real_folder
+
+    from specwhisper.tools.distill import joined_audio, longform_examples, recordings_of, windows_of
+
+    base = real_folder("base")
+    engine = Engine(base, device="cpu")
+    tok = engine.target.tokenizer
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for path in sample_paths():
+        shutil.copy(path, folder / path.name)
+    opts = DistillOptions(language="en", progress=False, device="cpu")
+    (group,) = recordings_of(windows_of(audio_files(folder), True, []), True)
+    audio = torch.from_numpy(joined_audio(group))
+    long = longform_examples(engine, joined_audio(group), opts)
+    want = engine.transcribe(audio, language="en", timestamps=True).tokens
+    assert len(long) >= 2 and all(any(t >= tok.timestamp_begin for t in e.tokens) for e in long)
+    assert long[0].prompt == tok.sot_sequence("en", "transcribe")
+    starts = []  # where each window's kept tokens start in the transcript: its prompt holds those before
+    for e in long:
+        previous = e.prompt[1:-3] if e.prompt[0] == tok.sot_prev else []
+        assert e.prompt[-3:] == tok.sot_sequence("en", "transcribe") and previous == want[:len(previous)]
+        starts.append(len(previous))
+    assert starts == sorted(starts) and starts[0] == 0 and len(want) < 223  # no prompt cut short here
+    for e, start, end in zip(long, starts, starts[1:] + [len(want)]):
+        assert end > start and e.tokens[:end - start] == want[start:end]
+
+    out = tmp_path / "draft"
+    report = distill(base, folder, out, replace(opts, steps=2, batch_size=2, holdout=0.0))
+    assert report.longform == len(long) and report.examples == len(long) + len(group)
+    speculative = Engine(base, draft=out, device="cpu")
+    got = speculative.transcribe(audio, language="en", timestamps=True, num_draft_tokens=3)
+    assert got.tokens == want and got.stats.drafted > 0

@@ -170,13 +170,22 @@ class Engine:
                 self._start_loop()
         return futures[0]
 
-    def transcribe_long(self, audio, options, seed: int | None = None, progress=None) -> Transcription:
+    def transcribe_long(self, audio, options, seed: int | None = None, progress=None, on_window=None,
+                        max_new_tokens: int | None = None) -> Transcription:
         """openai-whisper's long-form `transcribe()` with `TranscribeOptions` on a recording of any
-        length (audio, a path, bytes, or the whole recording's log-mel [n_mels, frames])."""
+        length (audio, a path, bytes, or the whole recording's log-mel [n_mels, frames]).
+        `on_window(request, output, features)` sees each window decoded (fallback attempts too):
+        its `WindowRequest`, `SeqOutput` and target encoder output [1500, d]. `max_new_tokens` caps
+        each window (openai's sample_len, at most 224)."""
         single, mel = self._as_mel(audio, whole=True)
         if not single:
             raise ValueError("transcribe_long takes one recording")
-        future = self._enqueue(self._longform_job(mel, options, seed, None, progress))
+        if max_new_tokens is not None and not 1 <= max_new_tokens <= 224:
+            raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most 224), "
+                             f"got {max_new_tokens}")
+        job = self._longform_job(mel, options, seed, None, progress)
+        job.on_window, job.sample_len = on_window, max_new_tokens
+        future = self._enqueue(job)
         self._wait([future])
         return future.result()
 

@@ -69,6 +69,7 @@ class LongformRequest:
         self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
         self.k, self.progress = num_draft_tokens, progress
         self.on_segment = None  # called with each kept segment, in order
+        self.on_window = None  # called with (WindowRequest, SeqOutput, encoder output) of each window decoded
         self.sample_len = None  # tokens per window at most (None: openai's 224)
         self.segments_sent = 0
         self.job = None
@@ -135,6 +136,8 @@ class LongformRequest:
         from ..longform.window import WindowResult
 
         tokens = output.tokens
+        if self.on_window is not None:
+            self.on_window(self.request, output, self.kept[1])
         self.job.record(WindowResult(tokens, output.sum_logprob, output.sum_logprob / (len(tokens) + 1),
                                      output.no_speech_prob, self.request.temperature, self.request.language))
         if not self.job.retrying and self.job.alignment_request is None:

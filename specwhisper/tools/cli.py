@@ -192,14 +192,16 @@ def cmd_distill(args) -> int:
     opts = DistillOptions(layers=args.layers, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           lr=args.lr, seed=args.seed, language=args.language, max_new_tokens=args.max_new_tokens,
                           bf16=args.bf16, device=args.device, kd=args.kd, holdout=args.holdout,
-                          eval_every=args.eval_every, pack=not args.no_pack, ema=args.ema)
+                          eval_every=args.eval_every, pack=not args.no_pack, ema=args.ema,
+                          longform=not args.no_longform)
     report = distill(model_folder(args.target), args.audio, args.out, opts)
     for line in report.skipped:
         print(f"skipped {line}", file=sys.stderr)
     last = report.losses[-20:]
     print(f"{report.out}: {report.step} steps in all ({len(report.losses)} now, {report.train_seconds:.0f} s; "
           f"teacher pass {report.teacher_seconds:.0f} s over {report.examples} "
-          f"window{'s' if report.examples != 1 else ''})"
+          f"window{'s' if report.examples != 1 else ''}"
+          + (f", {report.longform} of them long-form" if opts.longform else "") + ")"
           + (f", loss {sum(last) / len(last):.3f}" if last else ""))
     if report.agreement is not None:
         print(f"held-out agreement with the target ({report.held_out} of {report.held_out + report.examples} "
@@ -227,9 +229,13 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--kd", type=float, default=1.0,
                    help="weight of the loss against the target's distribution (0: its tokens only)")
     d.add_argument("--holdout", type=float, default=0.1,
-                   help="share of windows kept out of training to measure agreement (with 10 windows or more)")
+                   help="share of recordings (with --no-longform: windows) kept out of training to measure "
+                        "agreement (with 10 or more)")
     d.add_argument("--no-pack", action="store_true", help="one window per short file (default: consecutive "
                    "files shorter than 30 s are joined into full windows, as long-form transcription decodes)")
+    d.add_argument("--no-longform", action="store_true", help="learn from short-form transcripts only "
+                   "(default: the audio is also transcribed as long recordings, with timestamps and "
+                   "previous-text prompts, as long-form transcription and `specwhisper demo` decode)")
     d.add_argument("--ema", type=float, default=0.99, help="the draft is this moving average of the "
                    "trained weights (0: the last weights)")
     d.add_argument("--eval-every", type=int, default=50,

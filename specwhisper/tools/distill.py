@@ -7,9 +7,16 @@ transcripts of the user's audio (self-distillation: no labels needed).
    window gives an `Example` (audio features [1500, d_model], prompt, generated tokens, and the
    target's `top` most likely tokens with their log-probabilities at every generated position,
    from one teacher-forced pass), cached one file per window under OUT/.distill_cache, so a rerun
-   skips the pass. A seeded share of the windows (`holdout`) is kept out of training to measure the
-   draft's *agreement*: how often its argmax equals the target's token under teacher forcing, i.e.
-   its expected greedy acceptance rate per proposal, before and during training.
+   skips the pass. With `longform` (the default), the same audio is also transcribed as long
+   recordings (up to `RECORDING_WINDOWS` consecutive windows joined) with openai-whisper's long-form
+   algorithm, as `transcribe(timestamps=True)`, the CLI on long files and `specwhisper demo` decode:
+   every window it decodes greedily gives an Example too, its prompt carrying the previous windows'
+   text (`<|startofprev|>`) and its tokens the timestamp tokens. A draft trained on short-form
+   transcripts alone has never seen either, and its proposals are rejected there. A seeded share
+   of the recordings (`holdout`; each window its own recording without `longform`) is kept out of
+   training to measure the draft's *agreement*: how often its argmax equals the target's token
+   under teacher forcing, i.e. its expected greedy acceptance rate per proposal, before and during
+   training.
 2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
    (first and last for 2), with the target's token/position embeddings and final layer norm, learns
    to predict the target's tokens (teacher forcing over the generated positions and EOT, prompt
@@ -54,6 +61,7 @@ WINDOW_SAMPLES = 30 * 16000  # one Whisper window of 16 kHz audio
 PACK_GAP = 8000  # silence between files joined into one window (0.5 s)
 EOT_MARK = -1  # stands for EOT in `Example.labels` (the id is the tokenizer's)
 CACHE_VERSION = 2  # bump when the cached Example content changes
+RECORDING_WINDOWS = 8  # windows joined into one recording for the long-form teacher pass (4 minutes)
 TOKENIZER_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json", "tokenizer_config.json",
                    "vocab.json", "merges.txt", "normalizer.json", "added_tokens.json", "special_tokens_map.json")
 
@@ -76,10 +84,11 @@ class DistillOptions:
     progress: bool = True  # tqdm progress bars
     kd: float = 1.0  # weight of the soft (teacher-distribution) cross-entropy; 0: hard labels only
     top: int = 16  # teacher tokens kept per position for the soft targets
-    holdout: float = 0.1  # share of windows kept out of training to measure agreement (>= 10 windows)
+    holdout: float = 0.1  # share of recordings kept out of training to measure agreement (>= 10 recordings)
     pack: bool = True  # join files shorter than a window into full windows (see `windows_of`)
     eval_every: int = 50  # steps between held-out agreement checks; the best draft seen is saved (0: last)
     ema: float = 0.99  # the draft is this exponential moving average of the trained weights (0: the weights)
+    longform: bool = True  # also learn from long-form decoding: timestamps and previous-text prompts (see above)
 
     def __post_init__(self):
         if self.layers < 1:
@@ -101,7 +110,7 @@ class DistillOptions:
         """What a resumed run must share with the saved one (steps and minutes may change)."""
         return {k: v for k, v in asdict(self).items() if k in ("layers", "batch_size", "lr", "warmup",
                                                                  "weight_decay", "seed", "bf16", "kd", "top",
-                                                                 "holdout", "pack", "ema")}
+                                                                 "holdout", "pack", "ema", "longform")}
 
 
 @dataclass
@@ -114,6 +123,8 @@ class Example:
     ended: bool = True  # the target emitted EOT after `tokens` (False: cut at the length limit)
     soft_ids: torch.Tensor | None = None  # [n, top] int: the target's top tokens at each labelled position
     soft_logp: torch.Tensor | None = None  # [n, top] float16: their log-probabilities (n = labels)
+    recording: int = 0  # the recording the window belongs to: held out together (see `split_holdout`)
+    longform: bool = False  # decoded by the long-form algorithm (timestamps, previous-text prompt)
 
     @property
     def labels(self) -> list[int]:
@@ -125,6 +136,7 @@ class Example:
 class DistillReport:
     out: Path  # the saved draft folder
     examples: int  # training windows
+    longform: int = 0  # of them, windows decoded by the long-form algorithm
     skipped: list[str] = field(default_factory=list)  # files or windows not used, with the reason
     held_out: int = 0  # windows kept out of training (agreement is measured on them)
     agreement_start: float | None = None  # held-out agreement of the initial draft
@@ -199,11 +211,68 @@ def _target_id(folder: Path) -> str:
                                                  for p in sorted(folder.glob("*.safetensors"))])
 
 
+def recordings_of(windows, longform: bool):
+    """Consecutive windows (from `windows_of`) grouped into recordings of up to RECORDING_WINDOWS
+    (with `longform`; else one window each)."""
+    group = []
+    for window in windows:
+        group.append(window)
+        if not longform or len(group) == RECORDING_WINDOWS:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def joined_audio(group) -> np.ndarray:
+    """A recording's windows as one audio: a window that continues the previous one's file follows
+    it directly, any other after PACK_GAP of silence."""
+    parts = []
+    for i, (paths, w, audio) in enumerate(group):
+        if i and not (w > 0 and paths == group[i - 1][0]):
+            parts.append(np.zeros(PACK_GAP, dtype=np.float32))
+        parts.append(audio)
+    return np.concatenate(parts)
+
+
+def _load(entry: Path) -> Example:
+    saved = torch.load(entry, weights_only=True)
+    return Example(saved["features"], saved["prompt"], saved["tokens"], saved["ended"], saved["soft_ids"],
+                   saved["soft_logp"])
+
+
+def _save(example: Example, entry: Path) -> None:
+    tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
+    torch.save({"features": example.features, "prompt": example.prompt, "tokens": example.tokens,
+                "ended": example.ended, "soft_ids": example.soft_ids, "soft_logp": example.soft_logp}, tmp)
+    tmp.replace(entry)
+
+
+def longform_examples(engine, audio: np.ndarray, opts: DistillOptions) -> list[Example]:
+    """The windows openai-whisper's long-form algorithm decodes greedily (temperature 0; fallback
+    retries sample) in `audio` with the target -> Examples without soft targets."""
+    from ..config import TranscribeOptions
+
+    decoded = []
+
+    def on_window(request, output, features):
+        if request.temperature == 0:
+            decoded.append((features.float().cpu().numpy().copy(), list(request.prompt), list(output.tokens),
+                            output.generated > len(output.tokens)))
+
+    engine.transcribe_long(torch.from_numpy(audio), TranscribeOptions(language=opts.language), seed=0,
+                           on_window=on_window,
+                           max_new_tokens=None if opts.max_new_tokens is None else min(opts.max_new_tokens, 224))
+    # from NumPy: normal tensors, not inference ones (they are training inputs)
+    return [Example(torch.from_numpy(f), prompt, tokens, ended, longform=True) for f, prompt, tokens, ended in decoded]
+
+
 def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOptions,
                      skipped: list[str]) -> list[Example]:
-    """Transcribe every window of `files` (see `windows_of`) with `engine` (greedy) -> Examples,
-    cached in `cache`. Undecodable files and windows the target transcribes to nothing are appended
-    to `skipped`."""
+    """Transcribe every window of `files` (see `windows_of`) with `engine` (greedy), and with
+    `opts.longform` every recording of them (see `recordings_of`, `longform_examples`) ->
+    Examples, cached in `cache`. Undecodable files and windows the target transcribes to nothing
+    are appended to `skipped`."""
     from tqdm import tqdm
 
     target = engine.target
@@ -212,38 +281,57 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
     captured: list[torch.Tensor] = []
     hook = target.model.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
     examples = []
+
+    def keep(example: Example, name: str, recording: int) -> None:
+        if not example.tokens:
+            skipped.append(f"{name}: the target transcribes it to nothing")
+            return
+        example.recording = recording
+        examples.append(example)
+
+    bar = tqdm(desc="teacher pass", unit="window", disable=not opts.progress)
     try:
-        for paths, w, audio in tqdm(windows_of(files, opts.pack, skipped), desc="teacher pass", unit="window",
-                                     disable=not opts.progress):
-            name = f"{paths[0]}" + (f" (+{len(paths) - 1} joined)" if len(paths) > 1 else f" (window {w})")
-            entry = cache / f"{_cache_key(target_id, paths, w, opts)}.pt"
-            if entry.is_file():
-                saved = torch.load(entry, weights_only=True)
-                example = Example(saved["features"], saved["prompt"], saved["tokens"], saved["ended"],
-                                  saved["soft_ids"], saved["soft_logp"])
-            else:
-                captured.clear()
-                result = engine.transcribe(torch.from_numpy(audio),
-                                           language=opts.language, max_new_tokens=opts.max_new_tokens)
-                if len(captured) != 1:
-                    raise RuntimeError(f"expected one encoder call per window, saw {len(captured)}")
-                features = captured[0][0].float().cpu().clone()  # a normal tensor, not an inference one
-                prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
-                limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
-                example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
-                if example.tokens:
-                    example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
-                tmp = entry.with_suffix(".tmp")  # a reader never sees half a file
-                torch.save({"features": features, "prompt": prompt, "tokens": example.tokens,
-                            "ended": example.ended, "soft_ids": example.soft_ids,
-                            "soft_logp": example.soft_logp}, tmp)
-                tmp.replace(entry)
-            if not example.tokens:
-                skipped.append(f"{name}: the target transcribes it to nothing")
+        windows = windows_of(files, opts.pack, skipped)
+        for recording, group in enumerate(recordings_of(windows, opts.longform)):
+            for paths, w, audio in group:
+                name = f"{paths[0]}" + (f" (+{len(paths) - 1} joined)" if len(paths) > 1 else f" (window {w})")
+                entry = cache / f"{_cache_key(target_id, paths, w, opts)}.pt"
+                if entry.is_file():
+                    example = _load(entry)
+                else:
+                    captured.clear()
+                    result = engine.transcribe(torch.from_numpy(audio),
+                                               language=opts.language, max_new_tokens=opts.max_new_tokens)
+                    if len(captured) != 1:
+                        raise RuntimeError(f"expected one encoder call per window, saw {len(captured)}")
+                    features = captured[0][0].float().cpu().clone()  # a normal tensor, not an inference one
+                    prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
+                    limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
+                    example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
+                    if example.tokens:
+                        example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
+                    _save(example, entry)
+                keep(example, name, recording)
+                bar.update(1)
+            if not opts.longform:
                 continue
-            examples.append(example)
+            paths = [p for paths, _, _ in group for p in paths]
+            key = _cache_key(target_id, paths, f"longform {[w for _, w, _ in group]}", opts)
+            if (cache / f"{key}.done").is_file():  # written after the recording's windows
+                decoded = [replace(_load(entry), longform=True) for entry in sorted(cache.glob(f"{key}-*.pt"))]
+            else:
+                decoded = longform_examples(engine, joined_audio(group), opts)
+                for i, example in enumerate(decoded):
+                    if example.tokens:
+                        example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
+                    _save(example, cache / f"{key}-{i:04d}.pt")
+                (cache / f"{key}.done").touch()
+            for i, example in enumerate(decoded):
+                keep(example, f"{paths[0]} (+{len(paths) - 1} joined, long-form window {i})", recording)
+            bar.update(len(decoded))
     finally:
         hook.remove()
+        bar.close()
     if not examples:
         detail = "; ".join(skipped[:5]) + (" …" if len(skipped) > 5 else "")
         raise ValueError(f"no usable audio among {len(files)} files: {detail}")
@@ -267,13 +355,15 @@ def teacher_soft(target, example: Example, top: int) -> tuple[torch.Tensor, torc
 
 
 def split_holdout(examples: list[Example], opts: DistillOptions) -> tuple[list[Example], list[Example]]:
-    """(training, held-out) windows: a seeded `holdout` share (at least one) is held out when
-    there are 10 windows or more."""
-    n = len(examples)
+    """(training, held-out) windows: a seeded `holdout` share (at least one) of the recordings is
+    held out, all their windows (short- and long-form) together, when there are 10 recordings or
+    more."""
+    recordings = sorted({e.recording for e in examples})
+    n = len(recordings)
     held = max(1, round(n * opts.holdout)) if opts.holdout > 0 and n >= 10 else 0
     order = torch.randperm(n, generator=torch.Generator().manual_seed(opts.seed * 7_919 + 17)).tolist()
-    out = set(order[:held])
-    return [e for i, e in enumerate(examples) if i not in out], [e for i, e in enumerate(examples) if i in out]
+    out = {recordings[i] for i in order[:held]}
+    return [e for e in examples if e.recording not in out], [e for e in examples if e.recording in out]
 
 
 @torch.no_grad()
@@ -466,6 +556,7 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     report.teacher_seconds = time.perf_counter() - t0
     examples, held = split_holdout(examples, opts)
     report.examples, report.held_out = len(examples), len(held)
+    report.longform = sum(e.longform for e in examples)
     suppress = engine.target.suppress.to(device)
 
     decoder = init_draft_decoder(engine.target.model, opts.layers)
