@@ -343,7 +343,7 @@ def test_draft_length_rule():
     assert short.best()[0] == 2
 
     tie = DraftLength(None)  # a draft that only ties plain steps stays off (their bookkeeping is not timed)
-    tie.spec, tie.plain = (10.2, 10.0), (10.0, 10.0)
+    tie.spec, tie.plain, tie.spec_iters = (10.2, 10.0), (10.0, 10.0), tie.TRIAL
     assert not tie.pays()
     tie.spec = (11.0, 10.0)
     assert tie.pays()
@@ -366,6 +366,33 @@ def test_draft_length_rule():
         k = first.k
         first.update(k, [min(k, [3, 2, 3, 1][i % 4])], [False], draft_seconds=0.25 * k, verify_seconds=1.15)
     assert first.pays() and first.spec[0] >= first.MEASURED_TOKENS
+
+    # as calibrated for base's long-form distilled draft held to AVX2 (the demo recording): its
+    # first iteration keeps 0 of 2 proposals, then it keeps 2 of 3 on average, and one iteration
+    # is held up to five times its time; it stays on through both
+    def trial(first_accepted, slow_at=None):
+        rule = DraftLength(None)
+        rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.11, 1.14, 1.22, 1.38, 1.4, 1.56, 1.65, 1.7],
+                       cost_ratio=0.28, setup_seconds=0.0)
+        rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
+        on = []
+        for i in range(40):
+            k = rule.k
+            accepted = first_accepted if i == 0 else min(k, [3, 2, 1, 3, 2][i % 5])
+            slow = 5.0 if i == slow_at else 1.0
+            rule.update(k, [accepted], [False], draft_seconds=0.28 * k * slow, verify_seconds=rule.verify_ratio[k + 1] * slow)
+            on.append(k > 0)
+        return rule, on
+
+    missed, on = trial(0)
+    assert sum(on[:10]) >= 8 and missed.pays() and missed.spec[0] >= missed.MEASURED_TOKENS, on
+    held_up, on = trial(2, slow_at=8)
+    assert all(on[9:16]) and held_up.pays(), on
+    useless = DraftLength(None)  # a draft never right gets its trial, then stays off
+    useless.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
+                      cost_ratio=0.28, setup_seconds=0.0)
+    ks = [step(useless, False, 0.28) for _ in range(60)]
+    assert 0 < sum(k > 0 for k in ks[:10]) <= useless.TRIAL + 1 and sum(k > 1 for k in ks[10:]) == 0, ks
 
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)

@@ -244,6 +244,11 @@ class DraftLength:
     # for plain steps, held to AVX2) switched a draft off before its rate was known, and the lone
     # k = 1 probes that followed could not outweigh it
     MEASURED_TOKENS = 8.0
+    # a draft that would pay if always right gets this many speculative iterations before the
+    # model may switch it off: base's long-form distilled draft held to AVX2 missed its first
+    # proposals of the demo recording (0 of 2), the model's estimate fell below MARGIN after that
+    # one iteration, and probes then kept it off for most of the recording (0.97x; 1.10x at k = 2)
+    TRIAL = 4
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
@@ -335,6 +340,8 @@ class DraftLength:
         return self.setup <= self.REFRESH
 
     def pays(self) -> bool:
+        if self.spec_iters < self.TRIAL:
+            return self.best(always_right=True)[1] > self.MARGIN
         if self.best()[1] <= self.MARGIN:
             return False
         if self.spec is None or self.plain is None or self.spec[0] < self.MEASURED_TOKENS:
@@ -347,6 +354,11 @@ class DraftLength:
             return
         rows = [a for a in accepted if a >= 0]
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
+        if self.plain_pass:
+            # one iteration counts at most twice its expected time in the measured rates: a busy
+            # moment of a shared machine (an iteration held up 7 ms, twice its time, on the demo
+            # recording) must not switch speculation at once
+            seconds = min(seconds, 2 * self.plain_pass * (k * self.cost_ratio + self.verify_ratio[k + 1]))
         if k == 0:
             self.plain = self._track(self.plain, tokens, seconds)
             if verify_seconds > 0:
