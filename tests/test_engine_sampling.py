@@ -21,9 +21,7 @@ ALPHA = 1e-4
 
 @pytest.fixture(scope="module")
 def pair(ckpt_dir, tmp_path_factory):
-    # one encoder layer: the distributions compared are the decoder's, and the encoder passes of
-    # 3 x 1024 windows were most of this module's time (66 s -> 51 s with one layer)
-    target = ckpt_dir("sampling-target", vocab_size=51865, d_model=64, heads=4, seed=41, encoder_layers=1)
+    target = ckpt_dir("sampling-target", vocab_size=51865, d_model=64, heads=4, seed=41)
     draft = perturbed(target, tmp_path_factory.mktemp("samp") / "noisy", 0.1, seed=2)
     return target, draft
 
