@@ -368,9 +368,8 @@ def test_draft_length_rule():
     assert first.pays() and first.spec[0] >= first.MEASURED_TOKENS
 
     # as calibrated for base's long-form distilled draft held to AVX2 (the demo recording): its
-    # first iteration keeps 0 of 2 proposals, then it keeps 2 of 3 on average, and one iteration
-    # is held up to five times its time; it stays on through both
-    def trial(first_accepted, slow_at=None):
+    # first iteration keeps 0 of 2 proposals, then it keeps 2 of 3 on average; it stays on
+    def trial(first_accepted):
         rule = DraftLength(None)
         rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.11, 1.14, 1.22, 1.38, 1.4, 1.56, 1.65, 1.7],
                        cost_ratio=0.28, setup_seconds=0.0)
@@ -379,15 +378,12 @@ def test_draft_length_rule():
         for i in range(40):
             k = rule.k
             accepted = first_accepted if i == 0 else min(k, [3, 2, 1, 3, 2][i % 5])
-            slow = 5.0 if i == slow_at else 1.0
-            rule.update(k, [accepted], [False], draft_seconds=0.28 * k * slow, verify_seconds=rule.verify_ratio[k + 1] * slow)
+            rule.update(k, [accepted], [False], draft_seconds=0.28 * k, verify_seconds=rule.verify_ratio[k + 1])
             on.append(k > 0)
         return rule, on
 
     missed, on = trial(0)
     assert sum(on[:10]) >= 8 and missed.pays() and missed.spec[0] >= missed.MEASURED_TOKENS, on
-    held_up, on = trial(2, slow_at=8)
-    assert all(on[9:16]) and held_up.pays(), on
     useless = DraftLength(None)  # a draft never right gets its trial, then stays off
     useless.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
                       cost_ratio=0.28, setup_seconds=0.0)

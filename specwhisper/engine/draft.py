@@ -354,11 +354,6 @@ class DraftLength:
             return
         rows = [a for a in accepted if a >= 0]
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
-        if self.plain_pass:
-            # one iteration counts at most twice its expected time in the measured rates: a busy
-            # moment of a shared machine (an iteration held up 7 ms, twice its time, on the demo
-            # recording) must not switch speculation at once
-            seconds = min(seconds, 2 * self.plain_pass * (k * self.cost_ratio + self.verify_ratio[k + 1]))
         if k == 0:
             self.plain = self._track(self.plain, tokens, seconds)
             if verify_seconds > 0:
