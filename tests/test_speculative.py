@@ -369,10 +369,11 @@ def test_draft_length_rule():
 
     # as calibrated for base's long-form distilled draft held to AVX2 (the demo recording): its
     # first iteration keeps 0 of 2 proposals, then it keeps 2 of 3 on average; it stays on
-    def trial(first_accepted):
+    def trial(first_accepted, setup=0.0):
         rule = DraftLength(None)
+        rule.window_tokens = 300.0  # long windows: a setup of 18 passes still leaves drafting worth it
         rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.11, 1.14, 1.22, 1.38, 1.4, 1.56, 1.65, 1.7],
-                       cost_ratio=0.28, setup_seconds=0.0)
+                       cost_ratio=0.28, setup_seconds=setup)
         rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
         on = []
         for i in range(40):
@@ -384,6 +385,9 @@ def test_draft_length_rule():
 
     missed, on = trial(0)
     assert sum(on[:10]) >= 8 and missed.pays() and missed.spec[0] >= missed.MEASURED_TOKENS, on
+    # a draft whose start costs an encoder pass (here 18 plain passes a window) gets no trial
+    _, on = trial(0, setup=18.0)
+    assert on[0] and not any(on[1:10]), on
     useless = DraftLength(None)  # a draft never right gets its trial, then stays off
     useless.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
                       cost_ratio=0.28, setup_seconds=0.0)

@@ -247,7 +247,9 @@ class DraftLength:
     # a draft that would pay if always right gets this many speculative iterations before the
     # model may switch it off: base's long-form distilled draft held to AVX2 missed its first
     # proposals of the demo recording (0 of 2), the model's estimate fell below MARGIN after that
-    # one iteration, and probes then kept it off for most of the recording (0.97x; 1.10x at k = 2)
+    # one iteration, and probes then kept it off for most of the recording (0.97x; 1.10x at k = 2).
+    # Only for a draft whose start is cheap (`setup_is_cheap`): tiny.en's own encoder pass held to
+    # AVX2 (18 plain passes a window) made its trial cost more than it won (0.96-0.99x against 0.97x)
     TRIAL = 4
 
     def __init__(self, fixed: int | None):
@@ -340,7 +342,7 @@ class DraftLength:
         return self.setup <= self.REFRESH
 
     def pays(self) -> bool:
-        if self.spec_iters < self.TRIAL:
+        if self.spec_iters < self.TRIAL and self.setup_is_cheap():
             return self.best(always_right=True)[1] > self.MARGIN
         if self.best()[1] <= self.MARGIN:
             return False
