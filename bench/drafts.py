@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-AVX2_HOLD = {"SPECWHISPER_VECTOR_LEVEL": "1", "ATEN_CPU_CAPABILITY": "avx2", "DNNL_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "SPECWHISPER_NO_BF16": "1", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+sys.path.insert(0, str(ROOT))
+
+from cpu import AVX2_ENVIRONMENT, cpu_model, synthesize_windows  # noqa: E402
 
 
 def main() -> None:
@@ -34,12 +35,9 @@ def main() -> None:
                    help="1: hold every kernel to AVX2 (as bench/cpu.py --vector-level 1)")
     args = p.parse_args()
     if args.vector_level == 1 and os.environ.get("SPECWHISPER_VECTOR_LEVEL") != "1":
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_HOLD})  # before torch loads
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENVIRONMENT})  # read at load
 
     import torch
-
-    sys.path.insert(0, str(ROOT))
-    from cpu import cpu_model, synthesize_windows
 
     from specwhisper import Engine, log_mel_spectrogram
     from specwhisper.tools.fetch import MODELS, fetch

@@ -750,7 +750,7 @@ __attribute__((target("avx2,fma"))) void q16_halves(int64_t rows, const int16_t*
 // one-row step's path; the halves measured slower there), 3 and more in balanced groups of at most
 // 4 over each half (5 rows: 3 + 2, 9: 3 + 3 + 3); the first group prefetches the next block.
 // Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.02 1.39 1.57 2.35 ms
-// (/tmp/headbench.py). The products are exact integer sums: the same bits in any grouping.
+// (ScreenedHead.argmax timed alone on 1..9 rows). The products are exact integer sums: the same bits in any grouping.
 __attribute__((target("avx2,fma"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
                                                   const int8_t* next, float* out, int64_t ldo) {
   if (M > 2) {

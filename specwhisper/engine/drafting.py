@@ -103,7 +103,6 @@ class DraftSide:
         `raws` so far (another vocabulary only suppresses: its proposals are verified all the same)."""
         d = self.drafter
         banned = d.draft.suppress
-        follows_rules = modes.any_timestamps and d.vocab.identity
         if not modes.any_sampled:
             # every row greedy: the draft's screened argmax, without its full logits (tiny.en's:
             # 80 MB of float32 a step) and without the timestamp rules, which the target applies
@@ -113,6 +112,7 @@ class DraftSide:
             return d.greedy(hidden, banned)[:, 0]
         proposed = torch.stack(raws, dim=1) if raws else None
         rows = Rows(self.state, slots, (index + 1)[:, None], proposed)
+        follows_rules = modes.any_timestamps and d.vocab.identity
         choice, logits = choose_tokens(d.draft.model.decoder.logits, hidden, banned, rows, self.rule_tables,
                                        follows_rules, self.noise_ids)
         if self.sampling_rule == "rejection":

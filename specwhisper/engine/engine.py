@@ -24,6 +24,7 @@ from ..backends import backend_for, default_device
 from ..config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
 from ..constants import FRAMES_PER_SECOND, N_FRAMES
 from ..longform.timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
+from ..longform.window import SAMPLE_LEN
 from ..results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .decoding import LoadedModel
 from .draft import Drafter
@@ -32,6 +33,13 @@ from .runner import Runner
 from .scheduler import Request, RequestFuture, Scheduler
 from .speculation import Speculation
 
+
+
+def check_sample_len(max_new_tokens: int | None) -> None:
+    """A long-form `max_new_tokens` caps each window: openai's sample_len, 1..SAMPLE_LEN."""
+    if max_new_tokens is not None and not 1 <= max_new_tokens <= SAMPLE_LEN:
+        raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most {SAMPLE_LEN}), "
+                         f"got {max_new_tokens}")
 
 class Engine:
     """Exact Whisper decoding, speculative when a draft is given.
@@ -176,13 +184,11 @@ class Engine:
         length (audio, a path, bytes, or the whole recording's log-mel [n_mels, frames]).
         `on_window(request, output, features)` sees each window decoded (fallback attempts too):
         its `WindowRequest`, `SeqOutput` and target encoder output [1500, d]. `max_new_tokens` caps
-        each window (openai's sample_len, at most 224)."""
+        each window (openai's sample_len, at most SAMPLE_LEN = 224)."""
         single, mel = self._as_mel(audio, whole=True)
         if not single:
             raise ValueError("transcribe_long takes one recording")
-        if max_new_tokens is not None and not 1 <= max_new_tokens <= 224:
-            raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most 224), "
-                             f"got {max_new_tokens}")
+        check_sample_len(max_new_tokens)
         job = self._longform_job(mel, options, seed, None, progress)
         job.on_window, job.sample_len = on_window, max_new_tokens
         future = self._enqueue(job)
@@ -253,9 +259,7 @@ class Engine:
             if not single:
                 raise ValueError("long-form options (timestamps, initial_prompt, a temperature list) apply "
                                  "to one recording at a time; pass a list of recordings instead of a batch mel")
-            if max_new_tokens is not None and not 1 <= max_new_tokens <= 224:
-                raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most 224), "
-                                 f"got {max_new_tokens}")
+            check_sample_len(max_new_tokens)
             if timestamps is False:
                 raise ValueError("audio longer than 30 s is decoded with timestamps (openai-whisper's "
                                  "long-form algorithm); timestamps=False is only for single windows")

@@ -252,6 +252,7 @@ def longform_examples(engine, audio: np.ndarray, opts: DistillOptions) -> list[E
     """The windows openai-whisper's long-form algorithm decodes greedily (temperature 0; fallback
     retries sample) in `audio` with the target -> Examples without soft targets."""
     from ..config import TranscribeOptions
+    from ..longform.window import SAMPLE_LEN
 
     decoded = []
 
@@ -262,7 +263,7 @@ def longform_examples(engine, audio: np.ndarray, opts: DistillOptions) -> list[E
 
     engine.transcribe_long(torch.from_numpy(audio), TranscribeOptions(language=opts.language), seed=0,
                            on_window=on_window,
-                           max_new_tokens=None if opts.max_new_tokens is None else min(opts.max_new_tokens, 224))
+                           max_new_tokens=None if opts.max_new_tokens is None else min(opts.max_new_tokens, SAMPLE_LEN))
     # from NumPy: normal tensors, not inference ones (they are training inputs)
     return [Example(torch.from_numpy(f), prompt, tokens, ended, longform=True) for f, prompt, tokens, ended in decoded]
 
