@@ -82,3 +82,18 @@ def test_timestamp_rows_through_the_screened_head_equal_the_full_logits(recordin
     assert [(s.tokens, s.start, s.end, s.avg_logprob) for s in fast.segments] == \
         [(s.tokens, s.start, s.end, s.avg_logprob) for s in slow.segments]
     assert len(fast.segments) > 5
+
+
+def test_long_form_max_new_tokens_is_checked_on_both_entries(multilingual):
+    """`transcribe(timestamps=True)` and `transcribe_long` refuse a per-window cap outside 1..224
+    (openai's sample_len) with the same message, and take one inside it."""
+    from specwhisper.config import TranscribeOptions
+
+    engine = Engine(multilingual)
+    audio = torch.zeros(16000 * 2)
+    for bad in (0, 225):
+        with pytest.raises(ValueError, match="caps each long-form window.*at most 224"):
+            engine.transcribe(audio, language="en", timestamps=True, max_new_tokens=bad)
+        with pytest.raises(ValueError, match="caps each long-form window.*at most 224"):
+            engine.transcribe_long(audio, TranscribeOptions(language="en"), max_new_tokens=bad)
+    engine.transcribe_long(audio, TranscribeOptions(language="en"), max_new_tokens=4)
