@@ -243,3 +243,20 @@ def test_timestamp_argmax_margins_and_fully_banned_rows():
     assert int(tokens[0]) == 0 and not bool(undecided[0])
     assert int(tokens[1]) == int(logits[1].argmax()) >= tb and not bool(undecided[1])
     assert int(tokens[2]) == int(logits[2].argmax()) < tb and not bool(undecided[2])
+
+
+def test_quantize_in_row_blocks_gives_the_bits_of_one_pass():
+    """`quantize` works `rows` at a time (its float64 temporaries in cache): every block size
+    gives the int8 copy, scales and bounds of one pass over all rows, zero rows included."""
+    from specwhisper.model.head import quantize
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(1031, 72, generator=gen) * torch.rand(1031, 1, generator=gen)
+    weight[[0, 500, 1030]] = 0.0
+    whole = quantize(weight, rows=len(weight))
+    for rows in (1, 7, 256, 1030):
+        blocked = quantize(weight, rows=rows)
+        assert all(torch.equal(a, b) for a, b in zip(whole, blocked)), rows
+    q, s, c = whole
+    assert q.dtype == torch.int8 and s.shape == c.shape == (1031,)
+    assert (q[[0, 500, 1030]] == 0).all() and int(q.abs().max()) == 127

@@ -65,11 +65,8 @@ class Drafter:
         d2t[:n] = self.vocab.draft_to_target[:n]
         spellings = [self.vocab.to_draft(t) for t in range(v_target)]
         width = max(1, max(len(sp) for sp in spellings))
-        t2d = torch.zeros(v_target, width, dtype=torch.long)
+        t2d = torch.tensor([sp + [0] * (width - len(sp)) for sp in spellings], dtype=torch.long)
         lengths = torch.tensor([len(sp) for sp in spellings], dtype=torch.long)
-        for t, sp in enumerate(spellings):
-            if sp:
-                t2d[t, :len(sp)] = torch.tensor(sp)
         return d2t, t2d, lengths
 
     def head_ids(self, n: int) -> torch.Tensor:
