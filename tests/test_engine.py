@@ -183,3 +183,31 @@ def test_the_cpu_decode_ops_build_here():
     if os.environ.get("SPECWHISPER_NO_EXT", "") not in ("", "0"):
         pytest.skip("the C++ decode ops are disabled by SPECWHISPER_NO_EXT")
     assert cpu_ops.available(), "the C++ decode ops failed to build (see the RuntimeWarning above)"
+
+
+def test_repeated_windows_in_one_batch_are_encoded_once(multilingual):
+    """A batch holding the same window several times (an expanded mel, an equal copy) encodes each
+    distinct window once; every row decodes as that window alone. A window differing in one
+    value, or only in the sign of a zero, is encoded on its own."""
+    engine = Engine(multilingual, background=False)
+    torch.manual_seed(0)
+    a, b = torch.randn(80, 3000), torch.randn(80, 3000)
+    near = a.clone()
+    near[3, 7] = torch.nextafter(near[3, 7], torch.tensor(float("inf")))
+    signed = a.clone()
+    signed[0, 0] = 0.0
+    negative = signed.clone()
+    negative[0, 0] = -0.0
+    encoded = []
+    encode = engine.runner.encode
+    engine.runner.encode = lambda mels: encoded.append(len(mels)) or encode(mels)
+    kwargs = dict(language="en", temperature=0.0, max_new_tokens=6)
+    batch = torch.stack([a, a.clone(), b, near, a, signed, negative])
+    together = engine.transcribe(batch, **kwargs)
+    assert sum(encoded) == 5  # a (three rows), b, near, signed, negative
+    encoded.clear()
+    assert [o.tokens for o in engine.transcribe(a.expand(5, -1, -1), **kwargs)] == \
+        [engine.transcribe(a, **kwargs).tokens] * 5
+    assert sum(encoded) == 2  # once for the five rows, once alone
+    for mel, out in zip(batch, together):
+        assert out.tokens == engine.transcribe(mel, **kwargs).tokens

@@ -65,6 +65,16 @@ class Progress(NamedTuple):
 
 
 
+def same_window(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two windows' mels hold the same values: the same memory, or equal elements (zeros of
+    the same sign)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return bool(torch.equal(a, b)) and bool(torch.equal(a.signbit(), b.signbit()))
+
+
 def bucket_size(rows: int) -> int:
     """The power-of-two batch bucket that holds `rows` live rows."""
     return 1 << max(0, rows - 1).bit_length()
@@ -142,16 +152,24 @@ class Runner:
         """Encoder outputs [1500, d] of windows' mels [n_mels, 3000], each independent of the
         others: a batched GEMM may round a row differently beside other rows, so windows are
         encoded in calls of always the backend's `encoder_batch` windows (zero-padded; one at a
-        time on the CPU, where the encoder is compute-bound and batching gains nothing)."""
+        time on the CPU, where the encoder is compute-bound and batching gains nothing). So a
+        window equal to one before it in the same call (one clip sampled several times, as a
+        batch of the same mel) is encoded once: its output is that window's, bit for bit."""
+        unique, index = [], []
+        for m in mels:
+            j = next((i for i, u in enumerate(unique) if same_window(u, m)), len(unique))
+            if j == len(unique):
+                unique.append(m)
+            index.append(j)
         n = self.backend.encoder_batch
         out = []
-        for i in range(0, len(mels), n):
-            chunk = mels[i:i + n]
+        for i in range(0, len(unique), n):
+            chunk = unique[i:i + n]
             batch = torch.zeros(n, *chunk[0].shape, device=self.device, dtype=self.dtype)
             for j, m in enumerate(chunk):
                 batch[j] = m
             out += list(self.encode(batch)[:len(chunk)])
-        return out
+        return [out[j] for j in index]
 
     @torch.inference_mode()
     def detect_language(self, features: torch.Tensor) -> list[str]:
