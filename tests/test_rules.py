@@ -7,7 +7,7 @@ import torch
 from whisper.decoding import ApplyTimestampRules, SuppressBlank, SuppressTokens
 from whisper.tokenizer import get_tokenizer
 
-from specwhisper.engine.rules import RuleTables, apply_rules, row_state
+from specwhisper.engine.rules import RuleTables, apply_rules, row_state, rule_mask, rule_mask_reference
 
 
 _SUPPRESS = {}
@@ -89,6 +89,28 @@ def test_apply_rules_equals_openai(setup, timestamps_share):
     forced = (torch.isinf(got[:, :tb]).all(dim=1) & ~torch.isinf(got[:, tb:]).all(dim=1)).sum()
     text_only = torch.isinf(got[:, tb:]).all(dim=1).sum()
     assert forced > 10 and text_only > 10 and (torch.isinf(got[:, :tb]).all(1) == False).sum() > 10  # noqa: E712
+
+
+def test_rule_mask_by_column_ranges_equals_the_reference(setup):
+    """`rule_mask` (built by column ranges) equals `rule_mask_reference` (one whole-vocabulary term
+    per rule) on random states: every mix of begin / timestamps / pair states, timestamps at both
+    ends of the range, no initial limit or one past the last timestamp."""
+    _, tables = setup
+    tb, V = tables.timestamp_begin, tables.vocab_size
+    gen = torch.Generator().manual_seed(8)
+    N = 600
+    pick = lambda *values: torch.tensor(values)[torch.randint(0, len(values), (N,), generator=gen)]  # noqa: E731
+    ts = lambda: torch.where(torch.rand(N, generator=gen) < 0.5, pick(tb, tb + 1, V - 2, V - 1),  # noqa: E731
+                             torch.randint(tb, V, (N,), generator=gen))
+    n_sampled = pick(0, 1, 2, 3, 40)
+    last = torch.where(torch.rand(N, generator=gen) < 0.5, ts(), torch.randint(0, tables.eot + 1, (N,), generator=gen))
+    penultimate = torch.where(torch.rand(N, generator=gen) < 0.5, ts(), torch.randint(0, tables.eot, (N,), generator=gen))
+    last_timestamp = torch.where(torch.rand(N, generator=gen) < 0.3, torch.full((N,), -1), ts())
+    state = (n_sampled == 0, torch.rand(N, generator=gen) < 0.7, n_sampled, last, penultimate, last_timestamp,
+             pick(-1, 0, 1, 50, 1500, 1501))
+    got, expected = rule_mask(tables, *state), rule_mask_reference(tables, *state)
+    assert torch.equal(got, expected)
+    assert 0 < int(got[:, tb:].all(dim=1).sum()) < N and 0 < int(got[:, :tables.eot].all(dim=1).sum()) < N
 
 
 def test_rules_follow_a_decoded_sequence(setup):

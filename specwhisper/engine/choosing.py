@@ -117,10 +117,14 @@ def kept_logprob(state: SlotState, s: int, logits_fn: Callable[[torch.Tensor], t
         return 0.0
     device = state.tokens.device
     rows = Rows(state, torch.tensor([s], device=device), torch.arange(P, n, device=device)[None])
-    banned = rows.banned_first(suppress, begin_suppress)
-    raw = logits_fn(state.hidden[s, P:n][None].to(dtype)).float()
-    logits = ruled_logits(raw, banned, rows, tables, bool(state.timestamps[s]))
-    lp = torch.log_softmax(logits, dim=-1)[0].gather(1, state.tokens[s, P:n][:, None])[:, 0]
+    raw = logits_fn(state.hidden[s, P:n].to(dtype)).float()  # [n - P, V], this function's own
+    # `ruled_logits` for this one row, in place: the timestamp rules (which do their own
+    # suppression) for a row that wants them, else its banned tokens
+    if bool(state.timestamps[s]):
+        logits = rules.apply_rules(raw, tables, *rule_state(rows, tables))
+    else:
+        logits = raw.masked_fill_(rows.banned_first(suppress, begin_suppress)[0], -float("inf"))
+    lp = torch.log_softmax(logits, dim=-1).gather(1, state.tokens[s, P:n][:, None])[:, 0]
     return float(lp.double().sum())
 
 

@@ -8,7 +8,7 @@ sync, no Python loop over rows, no data-dependent branch: the ops are graph-safe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,10 @@ class RuleTables:
     no_timestamps: int  # <|notimestamps|>, suppressed when timestamps are predicted
     timestamp_begin: int  # <|0.00|>; ids from here on are timestamps (0.02 s apart)
     vocab_size: int  # V, the width of the logits
+    blank_ids: torch.Tensor = field(init=False, repr=False)  # [n] the ids `blank` marks
+
+    def __post_init__(self):
+        object.__setattr__(self, "blank_ids", self.blank.nonzero()[:, 0])
 
     def is_timestamp(self, device) -> torch.Tensor:
         """[V] bool: the timestamp tokens."""
@@ -52,7 +56,8 @@ def apply_rules(logits: torch.Tensor, tables: RuleTables, at_begin: torch.Tensor
     logits.masked_fill_(rule_mask(tables, at_begin, timestamps, n_sampled, last, penultimate, last_timestamp,
                                   max_initial_timestamp), NEG_INF)
     force = timestamps & forces_timestamp(logits, tables.timestamp_begin)
-    return logits.masked_fill_(force[:, None] & ~tables.is_timestamp(logits.device), NEG_INF)
+    logits[:, :tables.timestamp_begin].masked_fill_(force[:, None], NEG_INF)
+    return logits
 
 
 def forces_timestamp(logits: torch.Tensor, timestamp_begin: int) -> torch.Tensor:
@@ -78,7 +83,35 @@ def rule_mask(tables: RuleTables, at_begin: torch.Tensor, timestamps: torch.Tens
         fewer than 2 sampled counts the penultimate as a timestamp, as openai does).
     last_timestamp int64: id of the last sampled timestamp token, -1 when none yet.
     max_initial_timestamp int64: highest timestamp index allowed first, -1 for no limit.
+
+    Built by column ranges (text ids below EOT, the special ids up to <|0.00|>, the timestamps),
+    each a per-row flag or, for the timestamps, a per-row interval: two passes over [N, V]
+    instead of a dozen (`rule_mask_reference` is the same mask from whole-vocabulary terms).
     """
+    V, tb, eot = tables.vocab_size, tables.timestamp_begin, tables.eot
+    if not eot < tables.no_timestamps < tb:
+        return rule_mask_reference(tables, at_begin, timestamps, n_sampled, last, penultimate, last_timestamp,
+                                   max_initial_timestamp)
+    last_was_ts = (n_sampled >= 1) & (last >= tb)  # [N]
+    penultimate_was_ts = (n_sampled < 2) | (penultimate >= tb)
+    open_pair = last_was_ts & ~penultimate_was_ts
+    upper = torch.where(open_pair, last_timestamp, last_timestamp + 1)
+    limit = torch.where(max_initial_timestamp >= 0, tb + max_initial_timestamp, V)
+    stamps = torch.arange(tb, V, device=at_begin.device)  # the timestamp ids
+    mask = torch.empty(at_begin.shape[0], V, dtype=torch.bool, device=at_begin.device)
+    mask[:, :eot] = (timestamps & (open_pair | at_begin))[:, None]  # text
+    mask[:, eot:tb] = (timestamps & at_begin)[:, None]  # EOT and the other special tokens
+    mask[:, tables.no_timestamps] = timestamps
+    mask[:, tb:] = timestamps[:, None] & ((last_was_ts & penultimate_was_ts)[:, None] | (stamps < upper[:, None])
+                                          | (at_begin[:, None] & (stamps > limit[:, None])))
+    mask[:, tables.blank_ids] |= at_begin[:, None]
+    return mask.logical_or_(tables.suppress)
+
+
+def rule_mask_reference(tables: RuleTables, at_begin: torch.Tensor, timestamps: torch.Tensor,
+                        n_sampled: torch.Tensor, last: torch.Tensor, penultimate: torch.Tensor,
+                        last_timestamp: torch.Tensor, max_initial_timestamp: torch.Tensor) -> torch.Tensor:
+    """`rule_mask` from terms over the whole vocabulary, one per rule (the spec it is tested against)."""
     V, tb = tables.vocab_size, tables.timestamp_begin
     ids = torch.arange(V, device=at_begin.device)  # [V]
     is_timestamp, is_text = ids >= tb, ids < tables.eot  # [V]
