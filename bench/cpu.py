@@ -460,7 +460,8 @@ def markdown(r: dict) -> str:
               f"cross-attention K/V projections {cross:.2f} ms ({1e3 * ws['cross_kv_s']:.0f} ms a window, "
               f"{ws['cross_kv_gflop']:.1f} GFLOP at {ws['cross_kv_gflop'] / ws['cross_kv_s']:.0f} GFLOP/s: "
               f"encoder-side GEMM work every system does) and the prompt pass ({ws['prompt_rows']} rows) "
-              f"{prompt:.2f} ms; the rest (host loop, rules, cache bookkeeping): "
+              f"{prompt:.2f} ms; the rest (host loop, rules, cache bookkeeping), by difference of timings "
+              f"taken apart (a step timed alone varies by about ±0.5 ms between runs): "
               f"**{outside - cross - prompt:.2f} ms/token**."]
     lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",
               "|---" * (len(r["verify_over_step"]) + 1) + "|",
