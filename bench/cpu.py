@@ -5,7 +5,8 @@ decoder step cost against the memory-bandwidth floor, against CTranslate2 float3
 `transformers` generate; what does a verify pass of k+1 = 2..9 rows cost relative to one step;
 what does a draft step cost; and what are the end-to-end tokens/s and speedups of target-only and
 speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfloat16 path and
-CTranslate2 int8 (faster-whisper's CPU default)? It also prints the CPU model and flags, and the
+CTranslate2 int8 (faster-whisper's CPU default)? Where does a target-only call spend its time
+outside the steps (timed inside the engine's own calls)? It also prints the CPU model and flags, and the
 encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/encoder.py).
 
     python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
