@@ -28,13 +28,12 @@ class RuleTables:
     timestamp_begin: int  # <|0.00|>; ids from here on are timestamps (0.02 s apart)
     vocab_size: int  # V, the width of the logits
     blank_ids: torch.Tensor = field(init=False, repr=False)  # [n] the ids `blank` marks
+    timestamp_ids: torch.Tensor = field(init=False, repr=False)  # [V - timestamp_begin] the timestamps
 
     def __post_init__(self):
         object.__setattr__(self, "blank_ids", self.blank.nonzero()[:, 0])
-
-    def is_timestamp(self, device) -> torch.Tensor:
-        """[V] bool: the timestamp tokens."""
-        return torch.arange(self.vocab_size, device=device) >= self.timestamp_begin
+        object.__setattr__(self, "timestamp_ids", torch.arange(self.timestamp_begin, self.vocab_size,
+                                                               device=self.blank.device))
 
     @classmethod
     def build(cls, tokenizer: Tokenizer, vocab_size: int, device) -> RuleTables:
@@ -97,7 +96,7 @@ def rule_mask(tables: RuleTables, at_begin: torch.Tensor, timestamps: torch.Tens
     open_pair = last_was_ts & ~penultimate_was_ts
     upper = torch.where(open_pair, last_timestamp, last_timestamp + 1)
     limit = torch.where(max_initial_timestamp >= 0, tb + max_initial_timestamp, V)
-    stamps = torch.arange(tb, V, device=at_begin.device)  # the timestamp ids
+    stamps = tables.timestamp_ids
     mask = torch.empty(at_begin.shape[0], V, dtype=torch.bool, device=at_begin.device)
     mask[:, :eot] = (timestamps & (open_pair | at_begin))[:, None]  # text
     mask[:, eot:tb] = (timestamps & at_begin)[:, None]  # EOT and the other special tokens

@@ -283,6 +283,12 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
     hook = target.model.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
     examples = []
 
+    def teach(example: Example, entry: Path) -> None:
+        """The soft targets of a window the target transcribed to something, then its cache entry."""
+        if example.tokens:
+            example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
+        _save(example, entry)
+
     def keep(example: Example, name: str, recording: int) -> None:
         if not example.tokens:
             skipped.append(f"{name}: the target transcribes it to nothing")
@@ -309,9 +315,7 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
                     prompt = tok.prompt(result.language if tok.multilingual else None, "transcribe")
                     limit = opts.max_new_tokens or target.config.max_target_positions - len(prompt)
                     example = Example(features, prompt, list(result.tokens), ended=len(result.tokens) < limit)
-                    if example.tokens:
-                        example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
-                    _save(example, entry)
+                    teach(example, entry)
                 keep(example, name, recording)
                 bar.update(1)
             if not opts.longform:
@@ -323,9 +327,7 @@ def teacher_examples(engine, files: list[Path], cache: Path, opts: DistillOption
             else:
                 decoded = longform_examples(engine, joined_audio(group), opts)
                 for i, example in enumerate(decoded):
-                    if example.tokens:
-                        example.soft_ids, example.soft_logp = teacher_soft(target, example, opts.top)
-                    _save(example, cache / f"{key}-{i:04d}.pt")
+                    teach(example, cache / f"{key}-{i:04d}.pt")
                 (cache / f"{key}.done").touch()
             for i, example in enumerate(decoded):
                 keep(example, f"{paths[0]} (+{len(paths) - 1} joined, long-form window {i})", recording)
