@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.resources
 import os
 import warnings
 from pathlib import Path
@@ -245,7 +244,7 @@ def _ops():
 def _build() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
-    from .ops import build_dir, csrc_dir, hold_build_lock  # one build folder and one source folder for all
+    from .ops import build_dir, hold_build_lock, stage_sources  # one build folder and one source folder for all
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -255,7 +254,7 @@ def _build() -> None:
     # extension; without the flag every op silently runs on one thread (half the bandwidth here)
     cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
     with contextlib.ExitStack() as stack:
-        source = stack.enter_context(importlib.resources.as_file(csrc_dir() / "decode_ops.cpp"))
         hold_build_lock(stack, directory)
+        source = stage_sources(directory, ("decode_ops.cpp",))["decode_ops.cpp"]
         load(name="specwhisper_decode_ops", sources=[str(source)], build_directory=str(directory),
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
