@@ -81,7 +81,8 @@ WINDOW_SECONDS, GAP_SECONDS, SR = 25.0, 0.3, 16000
 POSITION = 64  # decoding position of the step microbenchmarks
 AVX2_ENVIRONMENT = dict(SPECWHISPER_VECTOR_LEVEL="1", ATEN_CPU_CAPABILITY="avx2", DNNL_MAX_CPU_ISA="AVX2",
                         MKL_ENABLE_INSTRUCTIONS="AVX2", SPECWHISPER_NO_BF16="1",
-                        FBGEMM_ENABLE_INSTRUCTIONS="AVX2")  # fbgemm (int8 draft encoders) picks its own ISA
+                        FBGEMM_ENABLE_INSTRUCTIONS="AVX2",  # fbgemm (int8 draft encoders) picks its own ISA
+                        CT2_FORCE_CPU_ISA="AVX2")  # CTranslate2's own kernels (its worker inherits this)
 
 
 def synthesize_windows(n: int, folder: Path) -> list[tuple[np.ndarray, str]]:
