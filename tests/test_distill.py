@@ -71,6 +71,48 @@ def test_saved_folder_is_a_shared_encoder_draft_with_identical_output(multilingu
             assert got.stats.drafted > 0
 
 
+def test_a_distilled_draft_copies_the_targets_cross_kv(multilingual, clips, tmp_path):
+    """distill freezes the draft layers' cross K/V projections at their target layers', so with the
+    shared encoder the draft's cross K/V for a window are the target's: copied at the draft's start,
+    bit for bit what its own projections give (float32 draft), never projected again."""
+    from specwhisper.audio import load_audio, log_mel_spectrogram, pad_or_trim
+
+    out = tmp_path / "draft"
+    distill(multilingual, clips, out, OPTS)
+    n_target = load_whisper(multilingual).config.decoder_layers
+    path = sample_paths()[0]
+    mel = log_mel_spectrogram(pad_or_trim(torch.from_numpy(load_audio(path))), 80)
+    plain = Engine(multilingual, device="cpu", background=False).transcribe(mel, language="en", max_new_tokens=24)
+    for compact in (False, True):
+        engine = Engine(multilingual, draft=out, device="cpu", compact_draft=compact, background=False)
+        assert engine.drafter.cross_sources == layer_choice(n_target, 2)
+        projected = []
+        ddec = engine.drafter.draft.model.decoder
+        fill = ddec.fill_cross
+        ddec.fill_cross = lambda *a, **k: projected.append(1) or fill(*a, **k)
+        got = engine.transcribe(mel, language="en", max_new_tokens=24, num_draft_tokens=3)
+        assert got.tokens == plain.tokens and got.stats.drafted > 0 and not projected
+        side, target = engine.runner.draft_side.cache, engine.runner.cache
+        for i, j in enumerate(engine.drafter.cross_sources):  # slot 0 holds the call's window in both
+            assert torch.equal(side.cross_k[i, 0], target.cross_k[j, 0].to(side.cross_k.dtype))
+            assert torch.equal(side.cross_v[i, 0], target.cross_v[j, 0].to(side.cross_v.dtype))
+        if not compact:
+            own = DecoderCache.allocate(engine.drafter.draft.config, 1, "cpu", torch.float32)
+            fill(own, engine.runner.encode_windows([mel])[0][None])
+            assert torch.equal(own.cross_k[:, 0], side.cross_k[:, 0]) and torch.equal(own.cross_v[:, 0], side.cross_v[:, 0])
+
+    # a draft layer whose value projection moved (not a distilled one): projected as before
+    tensors = weights(out)
+    key = "model.decoder.layers.1.encoder_attn.v_proj.weight"
+    tensors[key] = tensors[key] + 1e-3
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine(multilingual, draft=out, device="cpu", background=False)
+    assert engine.drafter.cross_sources is None
+    assert engine.transcribe(mel, language="en", max_new_tokens=24, num_draft_tokens=3).tokens == plain.tokens
+
+
 def test_same_seed_gives_bit_identical_weights(multilingual, clips, tmp_path):
     distill(multilingual, clips, tmp_path / "a", OPTS)
     distill(multilingual, clips, tmp_path / "b", OPTS)

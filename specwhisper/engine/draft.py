@@ -46,6 +46,9 @@ class Drafter:
         if head_tokens is not None:
             weight = draft.model.decoder.embed_tokens.weight
             self.head = SubsetHead(weight, self.head_ids(head_tokens), draft.backend.screens_head(weight.dtype))
+        # the target layer whose cross-attention K/V each draft layer would compute (None: none
+        # does); taken before a compact draft's weights are rounded to bfloat16
+        self.cross_sources = cross_sources(draft.model, target.model) if shared_encoder else None
         self.draft_to_target, self.target_to_draft, self.target_to_draft_len = self._tables()
         v_target = tcfg.vocab_size
         ids = torch.arange(dcfg.vocab_size)
@@ -191,6 +194,32 @@ def same_head(a, b) -> bool:
         return False
     wa, wb = a.model.decoder.embed_tokens.weight, b.model.decoder.embed_tokens.weight
     return wa.shape == wb.shape and wa.dtype == wb.dtype and bool(torch.equal(wa, wb))
+
+
+def cross_sources(draft, target) -> list[int] | None:
+    """For each of draft's decoder layers, a target layer with equal cross-attention key and value
+    projections (weights and biases), or None unless every draft layer has one. `specwhisper
+    distill` freezes them (a draft layer keeps its target layer's), so with a shared encoder a
+    draft's cross K/V for a window are the target's for those layers: copied, not recomputed."""
+    def kv(layer):
+        a = layer.encoder_attn
+        return [t for p in (a.k_proj, a.v_proj) for t in (p.weight, p.bias)]
+
+    def equal(x, y):
+        return (x is None) == (y is None) and (x is None or (x.shape == y.shape and x.dtype == y.dtype
+                                                             and bool(torch.equal(x, y))))
+
+    if draft.config.decoder_attention_heads != target.config.decoder_attention_heads:
+        return None  # the same projections split into other heads: another cache layout
+    targets = [kv(layer) for layer in target.decoder.layers]
+    sources = []
+    for layer in draft.decoder.layers:
+        mine = kv(layer)
+        found = [j for j, theirs in enumerate(targets) if all(equal(x, y) for x, y in zip(mine, theirs))]
+        if not found:
+            return None
+        sources.append(found[0])
+    return sources
 
 
 def shares_encoder(a, b) -> bool:

@@ -22,11 +22,12 @@ from .slots import SeqSpec, SlotState
 
 class DraftSide:
     def __init__(self, drafter: Drafter, state: SlotState, slots: int, device, dtype, backend,
-                 rule_tables: RuleTables, sampling_rule: str, trim: bool):
+                 rule_tables: RuleTables, sampling_rule: str, trim: bool, target_cache: DecoderCache):
         """`trim`: feed only the widest row's uncached tokens and attend up to the longest draft
-        (host reads; the eager path), else fixed shapes (the graph-shaped path)."""
+        (host reads; the eager path), else fixed shapes (the graph-shaped path). `target_cache`:
+        the target's, whose cross K/V a draft with `Drafter.cross_sources` copies."""
         d = self.drafter = drafter
-        self.state, self.device, self.dtype = state, device, dtype
+        self.state, self.device, self.dtype, self.target_cache = state, device, dtype, target_cache
         self.rule_tables, self.sampling_rule, self.trim = rule_tables, sampling_rule, trim
         self.max_pos = d.target.config.max_target_positions
         self.cache = DecoderCache.allocate(d.draft.config, slots, device, dtype,
@@ -40,14 +41,22 @@ class DraftSide:
 
     @torch.inference_mode()
     def start(self, s: int, spec: SeqSpec, features, draft_mel) -> None:
-        """The draft's cross K/V (its own encoder pass unless it shares the target's), its prompt,
-        and every token the target has emitted so far, spelled in draft ids (left uncached: the
-        next draft call feeds them)."""
+        """The draft's cross K/V (its own encoder pass unless it shares the target's; copied from
+        the target's rows where its layers project them as target layers do), its prompt, and
+        every token the target has emitted so far, spelled in draft ids (left uncached: the next
+        draft call feeds them). Slot s holds the same sequence in both caches."""
         d, st = self.drafter, self.state
         ddec = d.draft.model.decoder
         rows = DecoderCache(*(t[:, s:s + 1] for t in self.cache.buffers()))
-        dfeat = features[None] if d.shared_encoder else d.draft.model.encoder(draft_mel[None].to(self.device, self.dtype))
-        ddec.fill_cross(rows, dfeat)
+        if d.cross_sources is not None:
+            # the target's float32 K/V of those layers: a compact draft's own projections would
+            # use its bfloat16-rounded weights (the copy is closer to what it was trained on)
+            src = torch.tensor(d.cross_sources, device=self.device)
+            rows.cross_k.copy_(self.target_cache.cross_k[:, s:s + 1].index_select(0, src))
+            rows.cross_v.copy_(self.target_cache.cross_v[:, s:s + 1].index_select(0, src))
+        else:
+            dfeat = features[None] if d.shared_encoder else d.draft.model.encoder(draft_mel[None].to(self.device, self.dtype))
+            ddec.fill_cross(rows, dfeat)
         dprompt = d.prompt(spec)
         P = len(dprompt)
         ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],

@@ -117,7 +117,7 @@ class Runner:
         self.draft_side: DraftSide | None = None
         if drafter is not None:
             self.draft_side = DraftSide(drafter, self.state, S, device, dtype, self.backend, self.rule_tables,
-                                        sampling_rule, self.trim)
+                                        sampling_rule, self.trim, self.cache)
             self.caches.append(self.draft_side.cache)
 
     # ---------------------------------------------------------------- slots
