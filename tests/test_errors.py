@@ -24,6 +24,9 @@ def engine(multilingual):
     (torch.zeros(80, 3000, dtype=torch.long), TypeError, "dtype"),
     ([[0.0] * 3000] * 80, TypeError, "torch.Tensor"),
     (torch.full((80, 3000), float("nan")), ValueError, "NaN"),
+    (torch.full((80, 3000), float("nan")).expand(4, -1, -1), ValueError, "NaN"),  # one clip as a batch
+    (torch.stack([torch.zeros(80, 3000), torch.zeros(80, 3000).index_fill_(1, torch.tensor([2999]), float("inf"))]),
+     ValueError, "infinite"),
     (torch.zeros(0, 80, 3000), ValueError, "empty"),
 ])
 def test_bad_mel(engine, mel, exc, words):
