@@ -7,14 +7,22 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
-from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+# transformers is imported where a checkpoint is made (4 s): conftest imports this module, and a
+# pytest run that makes none (the GPU suite's smoke run on CPU) should not pay for it
+
+
+def languages() -> dict:
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return LANGUAGES
+
 
 TEXT_TOKENS = {51864: 50256, 51865: 50257, 51866: 50257}
 
 
 def special_tokens(vocab_size: int) -> list[str]:
-    langs = [c for c in LANGUAGES if vocab_size == 51866 or c != "yue"]
+    langs = [c for c in languages() if vocab_size == 51866 or c != "yue"]
     no_speech = "<|nospeech|>" if vocab_size == 51866 else "<|nocaptions|>"
     return (["<|endoftext|>", "<|startoftranscript|>"] + [f"<|{c}|>" for c in langs]
             + ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", no_speech,
@@ -43,6 +51,8 @@ def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_m
                     seed: int = 0, init_std: float = 0.2, word_offset: int = 0,
                     encoder_from: Path | None = None, ffn_dim: int | None = None) -> Path:
     """Save a random WhisperForConditionalGeneration + tokenizer + generation config."""
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     specials = special_tokens(vocab_size)
@@ -64,7 +74,7 @@ def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_m
     write_tokenizer(folder, vocab_size, word_offset)
 
     multilingual = vocab_size >= 51865
-    langs = {s: i for s, i in ids.items() if s[2:-2] in LANGUAGES}
+    langs = {s: i for s, i in ids.items() if s[2:-2] in languages()}
     suppress = sorted({1, 2, 7, 8, 9, 10, 14, 25, 26, 27, 28, 29, 31, 58, 59, 60, 61, 62, 63, 90, 91,
                        92, 93, 359, 503, 522, 542, 873, 893, 902, 918, 922, 931, 1350, 1853}
                       | {ids[s] for s in ("<|translate|>", "<|transcribe|>", "<|startoflm|>",
@@ -85,6 +95,8 @@ def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_m
 
 def hf_generate(folder: Path, mel: torch.Tensor, language: str | None, max_new_tokens: int) -> list[list[int]]:
     """Greedy token ids from `transformers` generate (generated tokens only, no EOT)."""
+    from transformers import WhisperForConditionalGeneration
+
     model = WhisperForConditionalGeneration.from_pretrained(folder).eval()
     eot = model.generation_config.eos_token_id
     kwargs = dict(language=language, task="transcribe") if model.generation_config.is_multilingual else {}
