@@ -32,10 +32,10 @@ def mel():
     return torch.randn(80, 3000)
 
 
-def pairs(engine, mel, seed0, **kw):
+def pairs(engine, mel, seed0, calls=CALLS, **kw):
     batch = mel.expand(ROWS, -1, -1)
     counts, stats = Counter(), []
-    for call in range(CALLS):
+    for call in range(calls):
         for o in engine.transcribe(batch, language="en", temperature=0.3, top_p=0.9, max_new_tokens=3,
                                    seed=seed0 + call * ROWS, **kw):  # row i samples with seed + i
             counts[tuple(o.tokens[:2])] += 1
@@ -78,6 +78,7 @@ def test_speculative_sampling_matches_target_only_distribution(pair, mel):
     drafted = sum(s.drafted for s in stats)
     assert drafted > 0 and 0 < sum(s.accepted for s in stats) < drafted  # some accepted, some not
     assert two_sample_pvalue(plain, spec) > ALPHA
-    # the test has power: a sampler that always keeps the draft's proposal is caught
-    greedy_draft, _ = pairs(Engine(draft), mel, seed0=30_000)
+    # the test has power: a sampler that always keeps the draft's proposal is caught, on a quarter
+    # of the samples already (p = 3e-33 here; power only grows with the sample size)
+    greedy_draft, _ = pairs(Engine(draft), mel, seed0=30_000, calls=CALLS // 4)
     assert two_sample_pvalue(plain, greedy_draft) < ALPHA
