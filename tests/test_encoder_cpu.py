@@ -74,8 +74,8 @@ def test_block_attention_equals_attention_block_by_block(T, block, dtype):
 @pytest.mark.parametrize("int8", [False, True])
 def test_local_attention_fast_path_equals_its_reference(encoder, int8):
     """A draft's encoder with block attention (`Whisper.local_encoder`): the fast path equals the
-    reference forward with the same blocks, differs from full attention, and the last layer
-    stays global."""
+    reference forward with the same blocks, and differs from full attention; the last layer
+    stays global unless `local_last`."""
     if int8 and not encoder_cpu.int8_usable():
         pytest.skip("this torch has no fbgemm int8 linear")
     mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(5))
@@ -84,11 +84,13 @@ def test_local_attention_fast_path_equals_its_reference(encoder, int8):
     encoder.attention_block, encoder.int8_linears = 150, int8
     try:
         assert encoder.layer_blocks(1500) == [150] * (len(encoder.layers) - 1) + [None]
+        encoder.local_last = True
+        assert encoder.layer_blocks(1500) == [150] * len(encoder.layers)
         assert encoder.layer_blocks(1499) == [None] * len(encoder.layers)  # not a multiple: full attention
         with torch.no_grad():
             fast, ref = encoder(mel), encoder.reference(mel)
     finally:
-        del encoder.attention_block, encoder.int8_linears
+        del encoder.attention_block, encoder.int8_linears, encoder.local_last
     assert not torch.allclose(ref, full, atol=1e-3)  # really attended locally
     if int8:  # int8 projections: close, as in the test above
         assert torch.nn.functional.cosine_similarity(fast[0], ref[0], dim=-1).min() > 0.98

@@ -130,6 +130,7 @@ def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, re
     engine = Engine(target, drafts["wrong"])
     draft = engine.drafter.draft.model
     assert draft.encoder.conv1.weight.dtype == torch.bfloat16 and draft.decoder.native_bf16
+    assert draft.encoder.attention_block == 150 and not draft.encoder.local_last  # last layer global
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == reference[:2]
     assert sum(o.stats.draft_passes for o in out) > 0
@@ -150,7 +151,8 @@ def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, refere
     engine = Engine(target, drafts["wrong"])
     draft = engine.drafter.draft.model
     assert draft.encoder.int8_linears and draft.encoder.conv1.weight.dtype == torch.float32
-    assert draft.encoder.attention_block == 150  # and attention within 3 s blocks (`local_encoder`)
+    assert draft.encoder.attention_block == 150  # and attention within 3 s blocks (`local_encoder`),
+    assert draft.encoder.local_last  # the last layer's too with int8 projections
     assert not engine.target.model.encoder.int8_linears
     assert engine.target.model.encoder.attention_block is None
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)

@@ -57,7 +57,7 @@ class Engine:
         `compact_draft`: store the draft decoder's projection weights and its cross-attention
         K/V in bfloat16, its C++ step reading int8 copies of the projections (a quarter of the
         float32 bytes of a draft step), and run a draft's own encoder cheaper (int8 projections
-        or bfloat16, attention within 3-second blocks in all layers but the last); the output
+        or bfloat16, attention within 3-second blocks); the output
         stays exact, the target verifies every proposal; None:
         on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
         (the target's own weights, kept exact);

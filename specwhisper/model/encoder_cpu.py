@@ -30,8 +30,9 @@ A draft's own encoder may run its four projections per layer in int8 instead (`i
 `Whisper.int8_encoder`: fbgemm's dynamic int8 GEMM, weights per output row, activations per call):
 1.5x faster than float32 with fbgemm's AVX2 kernels (4x with its AVX-512 VNNI ones), for a CPU
 without bfloat16 arithmetic. A draft only proposes, so the
-verified output stays exact; a target's encoder never takes it. Such an encoder's layers but the
-last may also attend within 3-second blocks (`Whisper.local_encoder`), on either path.
+verified output stays exact; a target's encoder never takes it. Such an encoder's layers (but the
+last, unless `local_last`) may also attend within 3-second blocks (`Whisper.local_encoder`), on
+either path.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ def parameter_key(encoder) -> tuple:
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
     """mel [B, n_mels, frames] -> features [B, frames // 2, d] by the fast path (check `usable`)."""
     int8 = encoder.int8_linears
-    key = (parameter_key(encoder), mel.shape[-1], int8, encoder.attention_block)
+    key = (parameter_key(encoder), mel.shape[-1], int8, encoder.attention_block, encoder.local_last)
     cached = encoder.__dict__.get("_packed_cpu")
     if cached is None or cached[0] != key:
         cached = (key, PackedEncoder(encoder, mel.shape[-1], int8))

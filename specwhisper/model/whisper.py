@@ -107,15 +107,17 @@ class Encoder(nn.Module):
     features_dtype: torch.dtype | None = None  # dtype of the returned features (None: the weights')
     int8_linears = False  # a draft's encoder: projections in int8 on the fast CPU path (`Whisper.int8_encoder`)
     fast_cpu = True  # float32 on the CPU: `encoder_cpu` (oneDNN fused products); False: `reference`
-    # a draft's own encoder: all layers but the last attend within blocks of this many positions
-    # (`Whisper.local_encoder`; None: full attention, as Whisper)
+    # a draft's own encoder: its layers but the last (all with `local_last`) attend within blocks
+    # of this many positions (`Whisper.local_encoder`; None: full attention, as Whisper)
     attention_block: int | None = None
+    local_last = False
 
     def layer_blocks(self, T: int) -> list[int | None]:
         """Each layer's attention block for T positions (None: full attention)."""
         b = self.attention_block
         local = b is not None and T % b == 0 and T > b
-        return [b if local and i < len(self.layers) - 1 else None for i in range(len(self.layers))]
+        n = len(self.layers)
+        return [b if local and (i < n - 1 or self.local_last) else None for i in range(n)]
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [B, n_mels, 3000] -> audio features [B, 1500, d_model], computed in the weights'
@@ -384,13 +386,18 @@ class Whisper(nn.Module):
         the verified output does not."""
         self.encoder.to(torch.bfloat16)
 
-    def local_encoder(self, block: int = 150) -> None:
-        """Let the encoder's layers but the last attend within blocks of `block` positions (150:
-        3 s of audio, 10 blocks a window) instead of all 1500: a tenth of their attention's
-        work, the largest part of a small encoder's pass (tiny.en with int8 projections, held to
-        AVX2: 155 -> 109 ms a window). For a draft with its own encoder: its proposals may change
-        (tiny.en drafting base: acceptance 0.87 -> 0.84 over four speech windows), the verified
-        output does not."""
+    def local_encoder(self, block: int = 150, last: bool = False) -> None:
+        """Let the encoder's layers but the last (`last`: all of them) attend within blocks of
+        `block` positions (150: 3 s of audio, 10 blocks a window) instead of all 1500: a tenth of
+        their attention's work, the largest part of a small encoder's pass (tiny.en with int8
+        projections, held to AVX2: 155 -> 109 ms a window, and 123 -> 103 ms with the last layer
+        local too). For a draft with its own encoder: its proposals may change, the verified
+        output does not. tiny.en drafting base, k = 3: acceptance 0.87 -> 0.84 over four speech
+        windows with the last layer global; the last layer local too, with int8 projections,
+        0.837 -> 0.811 over six windows and 0.869 -> 0.868 on the demo recording, but in
+        bfloat16 0.904 -> 0.868 on the demo for 6 of 42 ms (`Backend.compact_draft` therefore
+        makes it local with int8 projections only)."""
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         self.encoder.attention_block = block
+        self.encoder.local_last = last
