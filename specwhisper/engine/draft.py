@@ -257,13 +257,19 @@ class DraftLength:
     rate fresh; while speculation is off, a k = 1
     probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
     after twice as many each time, but only where a draft that is always right would pay (so a
-    self draft, or one whose setup outweighs any saving, never drafts), and, when a draft's own
-    encoder costs more than REFRESH plain passes, only in windows whose draft runs already (the
-    engine does not let a probe pay that encoder). The first iteration is a
+    self draft, or one whose setup outweighs any saving, never drafts), and, when a draft's start
+    costs more than CHEAP_SETUP plain passes (its own encoder), only in windows whose draft runs
+    already (the engine does not let a probe pay that encoder). The first iteration is a
     plain step. The estimates live in the engine's drafter, so they carry over between calls.
     """
 
     REFRESH = 16  # plain steps between speculative probes
+    # a draft start costing at most this many plain passes is cheap (`setup_is_cheap`): a shared
+    # encoder draft's (base's distilled: its cross K/V copied, a 4-token prompt pass, ≈ 0.6), not
+    # one with its own encoder (tiny.en's, int8 and block-local, held to AVX2: 14-16). At 16,
+    # tiny.en's local encoder counted as cheap, got the trial and free probes, and drafted short
+    # windows at 0.91x of target-only (bench/cpu.py) where k = 3 was worth 1.03x
+    CHEAP_SETUP = 4.0
     # speculative iterations between plain-step refreshes (two plain steps, the first untimed: as
     # many plain steps a drafted token as one step every 16 iterations)
     REFRESH_SPEC = 32
@@ -371,8 +377,8 @@ class DraftLength:
         return self.fixed is None and self.k == 1 and self.until_probe <= 0
 
     def setup_is_cheap(self) -> bool:
-        """Whether a draft's setup costs at most REFRESH plain passes (a probe may pay it)."""
-        return self.setup <= self.REFRESH
+        """Whether a draft's setup costs at most CHEAP_SETUP plain passes (a probe may pay it)."""
+        return self.setup <= self.CHEAP_SETUP
 
     def pays(self) -> bool:
         if self.spec_iters < self.TRIAL and self.setup_is_cheap():
