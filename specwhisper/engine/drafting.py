@@ -49,8 +49,8 @@ class DraftSide:
         ddec = d.draft.model.decoder
         rows = DecoderCache(*(t[:, s:s + 1] for t in self.cache.buffers()))
         if d.cross_sources is not None:
-            # the target's float32 K/V of those layers: a compact draft's own projections would
-            # use its bfloat16-rounded weights (the copy is closer to what it was trained on)
+            # the target's K/V of those layers, in the target's dtype (a compact draft's own
+            # projections would use its bfloat16-rounded weights; the copy is what it was trained on)
             src = torch.tensor(d.cross_sources, device=self.device)
             rows.cross_k.copy_(self.target_cache.cross_k[:, s:s + 1].index_select(0, src))
             rows.cross_v.copy_(self.target_cache.cross_v[:, s:s + 1].index_select(0, src))
