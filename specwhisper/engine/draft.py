@@ -201,33 +201,31 @@ def cross_sources(draft, target) -> list[int] | None:
     projections (weights and biases), or None unless every draft layer has one. `specwhisper
     distill` freezes them (a draft layer keeps its target layer's), so with a shared encoder a
     draft's cross K/V for a window are the target's for those layers: copied, not recomputed."""
-    def kv(layer):
-        a = layer.encoder_attn
-        return [t for p in (a.k_proj, a.v_proj) for t in (p.weight, p.bias)]
-
-    def equal(x, y):
-        return (x is None) == (y is None) and (x is None or (x.shape == y.shape and x.dtype == y.dtype
-                                                             and bool(torch.equal(x, y))))
-
     if draft.config.decoder_attention_heads != target.config.decoder_attention_heads:
         return None  # the same projections split into other heads: another cache layout
-    targets = [kv(layer) for layer in target.decoder.layers]
     sources = []
     for layer in draft.decoder.layers:
-        mine = kv(layer)
-        found = [j for j, theirs in enumerate(targets) if all(equal(x, y) for x, y in zip(mine, theirs))]
+        mine = layer.encoder_attn
+        found = [j for j, theirs in enumerate(t.encoder_attn for t in target.decoder.layers)
+                 if same_weights(mine.k_proj, theirs.k_proj) and same_weights(mine.v_proj, theirs.v_proj)]
         if not found:
             return None
         sources.append(found[0])
     return sources
 
 
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two modules hold the same tensors: names, shapes, dtypes and values."""
+    pa, pb = a.state_dict(), b.state_dict()
+    return pa.keys() == pb.keys() and all(pa[k].shape == pb[k].shape and pa[k].dtype == pb[k].dtype
+                                          and torch.equal(pa[k], pb[k]) for k in pa)
+
+
 def shares_encoder(a, b) -> bool:
     if a.config.d_model != b.config.d_model or a.config.encoder_layers != b.config.encoder_layers \
             or a.config.num_mel_bins != b.config.num_mel_bins:
         return False
-    pa, pb = a.encoder.state_dict(), b.encoder.state_dict()
-    return pa.keys() == pb.keys() and all(pa[k].shape == pb[k].shape and torch.equal(pa[k], pb[k]) for k in pa)
+    return same_weights(a.encoder, b.encoder)
 
 
 class DraftLength:

@@ -27,7 +27,7 @@ from ..longform.timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
 from ..longform.window import SAMPLE_LEN
 from ..results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
 from .decoding import LoadedModel
-from .draft import Drafter
+from .draft import Drafter, same_weights
 from .jobs import LongformRequest, ShortJob
 from .runner import Runner
 from .scheduler import Request, RequestFuture, Scheduler
@@ -433,5 +433,4 @@ def _stop_loops() -> None:
 def same_decoder(a, b) -> bool:
     """Whether two models have the same decoder blocks (a self draft, perhaps with its vocabulary
     spelled differently)."""
-    sa, sb = a.decoder.layers.state_dict(), b.decoder.layers.state_dict()
-    return sa.keys() == sb.keys() and all(sa[n].shape == sb[n].shape and torch.equal(sa[n], sb[n]) for n in sa)
+    return same_weights(a.decoder.layers, b.decoder.layers)
