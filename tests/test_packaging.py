@@ -73,7 +73,7 @@ print("ok")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the C++ ops build with gcc on Linux")
-def test_a_build_killed_midway_does_not_hang_the_next_import(tmp_path):
+def test_a_build_killed_midway_does_not_hang_the_next_import():
     """torch marks a JIT build in progress with a `lock` file and waits for it to go; a build that
     was killed leaves it behind. The next import must remove it (under the OS lock that tells it no
     build is running) rather than wait forever."""
