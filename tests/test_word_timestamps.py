@@ -106,7 +106,8 @@ def test_words_equal_openai_with_hallucination_silence_threshold(openai_base, ba
 # ---------------------------------------------------------------- batching, refusals (tiny random model)
 def test_batched_alignment_equals_one_window_at_a_time(multilingual):
     """Three recordings decoded together: their windows finish in the same iterations, so one
-    alignment pass serves several windows; each result equals the recording transcribed alone."""
+    align call serves several windows; each result equals the recording transcribed alone, to the
+    bit (a padded batched pass broke this on an AVX2-only CPU: word probabilities' 7th digit)."""
     engine = Engine(multilingual, background=False)
     batches = []
     align = engine.runner.align

@@ -4,9 +4,12 @@ tokens' probabilities (what openai's `find_alignment` reads through forward hook
 
 It runs in plain PyTorch (the C++ decode step does not expose attention weights) over the
 cross-attention K/V each window already has, with no self-attention cache: the whole sequence is
-known, so every position attends causally within one pass. Windows of one iteration go as one
-batch, right-padded (a causal mask keeps padding from reaching real positions). The attention
-logits are computed as openai computes them, (q * s) @ (k * s)^T with s = head_dim^-1/4.
+known, so every position attends causally within one pass. The windows of one iteration are
+aligned in one call but each in its own pass, at its own length: a batch padded to its longest
+window would change the GEMMs' row counts, and MKL's AVX2 kernels round a few rows differently
+from many (word probabilities then differed in the 7th digit between a recording transcribed
+alone and in a batch). The attention logits are computed as openai computes them,
+(q * s) @ (k * s)^T with s = head_dim^-1/4.
 """
 from __future__ import annotations
 
@@ -30,14 +33,18 @@ def alignment_pass(decoder, requests: list[AlignmentRequest], cross_k: torch.Ten
                    heads: list[tuple[int, int]], eot: int) -> list[tuple[torch.Tensor, list[float]]]:
     """For each request (row b of cross_k / cross_v [n_layers, B, H, 1500, Dh]): the alignment
     heads' cross-attention logits [len(heads), len(tokens), 1500] (float32, on the CPU) and its
-    text tokens' probabilities among the text tokens (ids below `eot`), as openai's pass gives."""
-    B = len(requests)
+    text tokens' probabilities among the text tokens (ids below `eot`), as openai's pass gives.
+    Each request's result is the same whichever requests share the call."""
+    return [window_alignment(decoder, r, cross_k[:, b:b + 1], cross_v[:, b:b + 1], heads, eot)
+            for b, r in enumerate(requests)]
+
+
+def window_alignment(decoder, r: AlignmentRequest, cross_k: torch.Tensor, cross_v: torch.Tensor,
+                     heads: list[tuple[int, int]], eot: int) -> tuple[torch.Tensor, list[float]]:
+    """One window's pass; cross_k / cross_v [n_layers, 1, H, 1500, Dh]."""
     device = decoder.embed_tokens.weight.device
-    T = max(len(r.tokens) for r in requests)
-    tokens = torch.full((B, T), eot, dtype=torch.long)
-    for b, r in enumerate(requests):
-        tokens[b, :len(r.tokens)] = torch.tensor(r.tokens)
-    tokens = tokens.to(device)
+    T = len(r.tokens)
+    tokens = torch.tensor([r.tokens], device=device)
     x = decoder.embed_tokens(tokens) + decoder.embed_positions.weight[:T]
     causal = torch.full((T, T), -float("inf"), device=device, dtype=x.dtype).triu_(1)
     layers_with_heads = {layer for layer, _ in heads}
@@ -49,19 +56,16 @@ def alignment_pass(decoder, requests: list[AlignmentRequest], cross_k: torch.Ten
         x = x + sa.out_proj((w @ v).transpose(1, 2).flatten(2))
         q = ca.heads(ca.q_proj(layer.encoder_attn_layer_norm(x)))
         ck, cv = cross_k[i].to(q.dtype), cross_v[i].to(q.dtype)
-        qk = attention_logits(q, ck)  # [B, H, T, 1500]
+        qk = attention_logits(q, ck)  # [1, H, T, 1500]
         if i in layers_with_heads:
             logits_by_layer[i] = qk
         w = F.softmax(qk, dim=-1).to(q.dtype)
         x = x + ca.out_proj((w @ cv).transpose(1, 2).flatten(2))
         x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
     x = decoder.layer_norm(x)
-    weights = torch.stack([logits_by_layer[layer][:, head] for layer, head in heads], dim=1).cpu()  # [B, n, T, 1500]
-    out = []
-    for b, r in enumerate(requests):
-        n = len(r.text_tokens)
-        rows = x[b, r.n_prefix:r.n_prefix + n]  # each predicts the next text token
-        logits = (rows @ decoder.embed_tokens.weight[:eot].T).float()
-        probs = logits.softmax(dim=-1)[torch.arange(n, device=device), torch.tensor(r.text_tokens, device=device)]
-        out.append((weights[b, :, :len(r.tokens)], probs.tolist()))
-    return out
+    weights = torch.stack([logits_by_layer[layer][0, head] for layer, head in heads]).cpu()  # [n, T, 1500]
+    n = len(r.text_tokens)
+    rows = x[0, r.n_prefix:r.n_prefix + n]  # each predicts the next text token
+    logits = (rows @ decoder.embed_tokens.weight[:eot].T).float()
+    probs = logits.softmax(dim=-1)[torch.arange(n, device=device), torch.tensor(r.text_tokens, device=device)]
+    return weights, probs.tolist()
