@@ -391,14 +391,13 @@ class Runner:
 
     @torch.inference_mode()
     def align(self, slots: list[int], requests: list) -> list[tuple[torch.Tensor, list[float]]]:
-        """The alignment pass (word timestamps) of the windows in `slots`, one batch over the
+        """The alignment passes (word timestamps) of the windows in `slots`, over the
         cross-attention K/V they hold -> per window (the alignment heads' cross-attention logits,
         its text tokens' probabilities); see longform/alignment.py."""
         from ..longform.alignment import alignment_pass
 
-        idx = torch.tensor(slots, device=self.device)
-        return alignment_pass(self.target.model.decoder, requests, self.cache.cross_k[:, idx],
-                              self.cache.cross_v[:, idx], self.target.alignment_heads, self.eot)
+        return alignment_pass(self.target.model.decoder, requests, self.cache.cross_k, self.cache.cross_v,
+                              self.target.alignment_heads, self.eot, rows=slots)
 
     # ---------------------------------------------------------------- host view
     def progress(self, B: int) -> Progress:

@@ -30,13 +30,16 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None
 
 @torch.inference_mode()
 def alignment_pass(decoder, requests: list[AlignmentRequest], cross_k: torch.Tensor, cross_v: torch.Tensor,
-                   heads: list[tuple[int, int]], eot: int) -> list[tuple[torch.Tensor, list[float]]]:
-    """For each request (row b of cross_k / cross_v [n_layers, B, H, 1500, Dh]): the alignment
-    heads' cross-attention logits [len(heads), len(tokens), 1500] (float32, on the CPU) and its
-    text tokens' probabilities among the text tokens (ids below `eot`), as openai's pass gives.
-    Each request's result is the same whichever requests share the call."""
-    return [window_alignment(decoder, r, cross_k[:, b:b + 1], cross_v[:, b:b + 1], heads, eot)
-            for b, r in enumerate(requests)]
+                   heads: list[tuple[int, int]], eot: int,
+                   rows: list[int] | None = None) -> list[tuple[torch.Tensor, list[float]]]:
+    """For each request (cache row `rows[b]`, default b, of cross_k / cross_v [n_layers, S, H,
+    1500, Dh], read in place): the alignment heads' cross-attention logits [len(heads),
+    len(tokens), 1500] (float32, on the CPU) and its text tokens' probabilities among the text
+    tokens (ids below `eot`), as openai's pass gives. Each request's result is the same whichever
+    requests share the call."""
+    rows = range(len(requests)) if rows is None else rows
+    return [window_alignment(decoder, r, cross_k[:, s:s + 1], cross_v[:, s:s + 1], heads, eot)
+            for r, s in zip(requests, rows, strict=True)]
 
 
 def window_alignment(decoder, r: AlignmentRequest, cross_k: torch.Tensor, cross_v: torch.Tensor,
