@@ -206,6 +206,16 @@ def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10
     return out
 
 
+def compact_step_ms(engine: Engine, mel: torch.Tensor, repeats: int) -> float:
+    """Milliseconds of one step of `engine`'s model with its decoder compacted as Engine(target,
+    draft) compacts a draft's on the CPU (`Backend.compact_draft`), its cross K/V cache in the
+    dtype the engine gives such a draft (`Backend.draft_cross_dtype`: bfloat16 on the CPU)."""
+    lm = engine.target
+    lm.backend.compact_draft(lm.model, own_encoder=False)
+    cross = lm.backend.draft_cross_dtype(lm.model.decoder, engine.dtype)
+    return 1e3 * step_times(engine, mel, repeats, rows=[1], cross_dtype=cross)[1]
+
+
 def window_setup(engine: Engine, mel: torch.Tensor, repeats: int) -> dict:
     """Seconds of what a window costs once, outside its steps: the cross-attention K/V projections
     (`fill_cross`, a GEMM over the encoder output) and the prompt pass (the prompt's rows through
@@ -377,20 +387,10 @@ def main() -> None:
     result["floor_ms"] = floor_ms
     draft_engine = Engine(tiny)
     result["draft_step_ms"] = {"tiny.en": 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1])[1]}
-    draft_engine.target.model.compact_decoder()  # what Engine(base, tiny.en) drafts with on the CPU
-    draft_engine.target.model.int8_projections()
-    # the cross K/V cache as the engine keeps a compact draft's (bfloat16 on the CPU)
-    compact_cross = draft_engine.target.backend.draft_cross_dtype(draft_engine.target.model.decoder, draft_engine.dtype)
-    result["draft_step_ms"]["tiny.en compact"] = 1e3 * step_times(draft_engine, mels[0], args.repeats * 5, rows=[1],
-                                                                  cross_dtype=compact_cross)[1]
+    result["draft_step_ms"]["tiny.en compact"] = compact_step_ms(draft_engine, mels[0], args.repeats * 5)
     if args.distilled:
         draft_engine = Engine(args.distilled)
-        draft_engine.target.model.compact_decoder()
-        draft_engine.target.model.int8_projections()
-        compact_cross = draft_engine.target.backend.draft_cross_dtype(draft_engine.target.model.decoder,
-                                                                      draft_engine.dtype)
-        result["draft_step_ms"]["distilled compact"] = 1e3 * step_times(draft_engine, mels[0], args.repeats * 5,
-                                                                        rows=[1], cross_dtype=compact_cross)[1]
+        result["draft_step_ms"]["distilled compact"] = compact_step_ms(draft_engine, mels[0], args.repeats * 5)
     del draft_engine
     result["profile"] = profile_step(engine, mels[0])
 
