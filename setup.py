@@ -14,16 +14,18 @@ from setuptools import setup
 setup(
     packages=["specwhisper", "specwhisper.model", "specwhisper.engine", "specwhisper.backends", "specwhisper.longform",
               "specwhisper.serving", "specwhisper.tools", "specwhisper.kernels", "specwhisper.csrc",
-              "specwhisper.samples"],
+              "specwhisper.samples", "specwhisper.drafts"],
     package_dir={
         "specwhisper": "specwhisper",
         "specwhisper.kernels": "kernels",
         "specwhisper.csrc": "csrc",
         "specwhisper.samples": "specwhisper/samples",
+        "specwhisper.drafts": "specwhisper/drafts",
     },
     package_data={
         "specwhisper.csrc": ["*.cpp", "*.cu", "*.h"],
         "specwhisper.samples": ["*.wav", "*.flac", "*.json", "*.txt", "*.sh"],
+        "specwhisper.drafts": ["*.safetensors"],
     },
     include_package_data=True,
 )

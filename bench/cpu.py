@@ -9,7 +9,7 @@ CTranslate2 int8 (faster-whisper's CPU default)? Where does a target-only call s
 outside the steps (timed inside the engine's own calls)? It also prints the CPU model and flags, and the
 encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/encoder.py).
 
-    python bench/cpu.py                                  # 3 windows, base, drafts tiny.en + self
+    python bench/cpu.py                                  # 3 windows, base, drafts tiny.en, self, base-2l
     python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
     python bench/cpu.py --distilled ~/drafts/base-2l --k 2 3 --draft-head-tokens 8192   # + a pruned draft head
     python bench/cpu.py --vector-level 1                 # an AVX2-only CPU, measured on an AVX-512 one
@@ -44,7 +44,7 @@ import torch
 from specwhisper import Engine, load_audio, log_mel_spectrogram
 from specwhisper.backends import cpu_ops
 from specwhisper.model.whisper import DecoderCache
-from specwhisper.tools.fetch import ct2_dir, fetch
+from specwhisper.tools.fetch import NAMES, ct2_dir, fetch
 from specwhisper.wer import wer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -343,7 +343,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, nargs="+", default=[4],
                    help="fixed num_draft_tokens values of the speculative runs (besides adaptive)")
-    p.add_argument("--distilled", default=None, help="a shared-encoder draft folder (specwhisper distill)")
+    p.add_argument("--distilled", default="base-2l",
+                   help="a shared-encoder draft folder (specwhisper distill) or a bundled draft's name "
+                        "(default: base-2l, assembled beside base); 'none' skips it")
     p.add_argument("--draft-head-tokens", type=int, default=None, metavar="N",
                    help="also run the distilled draft with its output head pruned to N tokens (draft_head_tokens)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
@@ -359,6 +361,10 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     base, tiny = fetch("base"), fetch("tiny.en")
+    if args.distilled == "none":
+        args.distilled = None
+    elif args.distilled in NAMES:
+        args.distilled = str(fetch(args.distilled))
 
     tmp_dir = tempfile.TemporaryDirectory()
     windows = synthesize_windows(args.windows, Path(tmp_dir.name))

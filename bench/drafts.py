@@ -40,10 +40,10 @@ def main() -> None:
     import torch
 
     from specwhisper import Engine, log_mel_spectrogram
-    from specwhisper.tools.fetch import MODELS, fetch
+    from specwhisper.tools.fetch import NAMES, fetch
 
     def folder(spec: str) -> Path:
-        return fetch(spec) if spec in MODELS else Path(spec).expanduser()
+        return fetch(spec) if spec in NAMES else Path(spec).expanduser()
 
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_model()}; {args.threads} threads"

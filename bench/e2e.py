@@ -23,14 +23,14 @@ import torch
 
 from specwhisper import Engine, load_audio, log_mel_spectrogram
 from specwhisper.samples import references, sample_paths
-from specwhisper.tools.fetch import MODELS, ct2_dir, fetch
+from specwhisper.tools.fetch import MODELS, NAMES, ct2_dir, fetch
 from specwhisper.wer import wer
 
 LANGUAGE = "en"
 
 
 def model_dir(spec: str) -> Path:
-    return fetch(spec) if spec in MODELS else Path(spec).expanduser()
+    return fetch(spec) if spec in NAMES else Path(spec).expanduser()
 
 
 def load_inputs(folder: str | None) -> tuple[list[Path], list[str] | None]:

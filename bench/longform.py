@@ -30,12 +30,12 @@ from whisper_ref import flite_recording, openai_whisper  # noqa: E402
 
 from specwhisper import Engine  # noqa: E402
 from specwhisper.config import TranscribeOptions  # noqa: E402
-from specwhisper.tools.fetch import MODELS, fetch  # noqa: E402
+from specwhisper.tools.fetch import NAMES, fetch  # noqa: E402
 from specwhisper.wer import wer  # noqa: E402
 
 
 def model_dir(spec: str) -> Path:
-    return fetch(spec) if spec in MODELS else Path(spec).expanduser()
+    return fetch(spec) if spec in NAMES else Path(spec).expanduser()
 
 
 def run_specwhisper(engine: Engine, audio, seed: int) -> dict:

@@ -32,13 +32,13 @@ from specwhisper import Engine
 from specwhisper.audio import SAMPLE_RATE, decode_audio_bytes
 from specwhisper.samples import sample_paths
 from specwhisper.serving.server import create_app, serve_in_thread
-from specwhisper.tools.fetch import MODELS, fetch
+from specwhisper.tools.fetch import NAMES, fetch
 
 REQUEST_TIMEOUT = 600.0  # seconds, one HTTP call
 
 
 def model_dir(spec: str) -> Path:
-    return fetch(spec) if spec in MODELS else Path(spec).expanduser()
+    return fetch(spec) if spec in NAMES else Path(spec).expanduser()
 
 
 def load_audio_files(folder: str | None) -> list[tuple[str, bytes, float]]:

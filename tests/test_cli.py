@@ -92,6 +92,24 @@ def test_transcribe_real(tmp_path, capsys):
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_transcribe_real_with_the_bundled_draft_by_name(temperature, capsys):
+    """`--target base --draft base-2l` by name: the bundled draft assembled beside base, greedy and
+    sampled (seeded), the same tokens as base alone through the API."""
+    from conftest import real_folder
+    from specwhisper import Engine, load_audio
+
+    real_folder("base-2l")  # fetched (CI) or skipped, never downloaded here
+    audio = sample_paths()[0]
+    assert main(["transcribe", str(audio), "--target", "base", "--draft", "base-2l", "--language", "en",
+                 "--json", "--quiet", "--temperature", temperature, "--seed", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = Engine(real_folder("base")).transcribe(load_audio(audio), language="en", temperature=(float(temperature),),
+                                                  seed=5, timestamps=True)
+    assert out["tokens"] == want.tokens and out["text"] == want.text
+
+
+@pytest.mark.real
 def test_transcribe_real_speculative_long(tmp_path, capsys):
     """A 35 s recording through the CLI with base drafted by tiny.en: long-form, speculative,
     the same segments as target-only through the API."""

@@ -40,10 +40,14 @@ def test_window_without_consecutive_timestamps_advances_by_its_frames():
 def test_demo_prints_its_measurements_and_speculation_is_exact(capsys):
     from specwhisper.tools.demo import run_demo
 
-    code = run_demo(str(real_folder("base")), str(real_folder("tiny.en")), "base", None, 2, seconds=35.0, ct2=True)
+    drafts = [str(real_folder("base-2l")), str(real_folder("tiny.en"))]
+    code = run_demo(str(real_folder("base")), drafts, "base", None, 2, seconds=35.0, ct2=True,
+                    draft_names=["base-2l", "tiny.en"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "vector level:" in out and "target-only (base)" in out and "speculative (+ tiny.en" in out
-    assert "Speculative tokens identical to target-only: yes" in out
+    assert "vector level:" in out and "target-only (base)" in out
+    assert "speculative (+ base-2l" in out and "speculative (+ tiny.en" in out
+    assert "Speculative tokens (+ base-2l) identical to target-only: yes" in out
+    assert "Speculative tokens (+ tiny.en) identical to target-only: yes" in out
     windows = re.search(r"greedy, (\d+) windows", out)  # CTranslate2 walked the whole 35 s, not one window
     assert windows is None or int(windows.group(1)) >= 2

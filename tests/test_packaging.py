@@ -28,8 +28,9 @@ with torch.inference_mode():
     assert cpu_ops.active(x)
     assert torch.allclose(cpu_ops.linear(x, w), x @ w.T, atol=1e-4)
 assert len(list((installed / "samples").glob("*.wav"))) >= 8
+assert (installed / "drafts" / "base-2l.safetensors").stat().st_size > 10_000_000  # the bundled draft
 assert backend_for("cpu").name == "cpu"  # the backends subpackage is installed
-for sub in ("model", "engine", "backends", "longform", "serving", "tools", "kernels", "samples"):
+for sub in ("model", "engine", "backends", "longform", "serving", "tools", "kernels", "samples", "drafts"):
     assert (installed / sub / "__init__.py").is_file(), f"subpackage {sub} is not installed"
 import specwhisper.tools.cli  # the console script's module (specwhisper.tools.cli:main)
 print("ok", installed)

