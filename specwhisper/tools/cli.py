@@ -25,6 +25,7 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"--temperature takes a number or a comma list of numbers, got {text!r}") from None
 
 
+DRAFT_HELP = "draft model folder or fetched name (tiny.en; base-2l: base's bundled draft) for speculative decoding"
 OUTPUT_EXTENSIONS = {"txt": "txt", "srt": "srt", "vtt": "vtt", "json": "json", "verbose_json": "verbose.json"}
 
 
@@ -175,7 +176,7 @@ def add_bulk_parser(sub) -> None:
     b.add_argument("source", help="folder (searched recursively), glob, file, or URI (s3://...)")
     b.add_argument("--out", required=True, help="results folder; files already recorded there are skipped")
     b.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
-    b.add_argument("--draft", help="draft model folder (speculative decoding)")
+    b.add_argument("--draft", help=DRAFT_HELP)
     b.add_argument("--address", default="local",
                    help="`local` (default): start Ray here; `auto`: join the running cluster; or host:port")
     b.add_argument("--actors", type=int, default=None, help="engines (default: one per GPU / per CPU share)")
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     t = sub.add_parser("transcribe", help="transcribe audio files of any length (segments, timestamps)")
     t.add_argument("audio", nargs="+", type=Path)
     t.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
-    t.add_argument("--draft", help="draft model folder (speculative decoding)")
+    t.add_argument("--draft", help=DRAFT_HELP)
     t.add_argument("--language", help="language code (default: detect on the first 30 s)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     t.add_argument("--temperature", type=parse_temperatures, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (POST /v1/audio/transcriptions, ...)")
     s.add_argument("--target", required=True, help="HF folder (or `base` / `tiny.en`: fetched)")
-    s.add_argument("--draft", help="draft model folder (speculative decoding)")
+    s.add_argument("--draft", help=DRAFT_HELP)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", default=None)
