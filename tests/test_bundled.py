@@ -1,5 +1,5 @@
 """specwhisper.tools.bundled and the bundled draft base-2l: a distilled draft stored as its trained
-tensors (bfloat16) and assembled beside its target gives back the draft, shares the target's
+tensors (linear layers in bfloat16) and assembled beside its target gives back the draft, shares the target's
 encoder, and decodes exactly; fetch refuses a damaged bundle. The real base-2l is checked on the
 real base (its decoding on every option is in test_real_pairs)."""
 from __future__ import annotations

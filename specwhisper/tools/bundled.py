@@ -1,6 +1,6 @@
 """Drafts that ship with the package (`specwhisper/drafts/`): a draft made by `specwhisper distill`
-is stored as only the tensors its training changed, in bfloat16, and rebuilt beside its fetched
-target as a Hugging Face folder (`specwhisper fetch base-2l`).
+is stored as only the tensors its training changed and rebuilt beside its fetched target as a
+Hugging Face folder (`specwhisper fetch base-2l`).
 
 A distilled draft keeps the target's encoder, token embedding (the tied output head) and each
 layer's cross-attention key/value projections (copied from a target layer, frozen while training):
@@ -24,24 +24,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..model.weights import checkpoint_files
+from ..model.weights import read_state_dict
+from .distill import TOKENIZER_FILES
 
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 ENCODER, DECODER = "model.encoder.", "model.decoder."
 EMBEDDING = "model.decoder.embed_tokens.weight"
 CROSS_KV = re.compile(r"model\.decoder\.layers\.(\d+)\.encoder_attn\.([kv]_proj\..*)")
 # the decoder blocks' linear layers: the tensors a compact draft keeps in bfloat16 on the CPU
-LINEAR = re.compile(r"model\.decoder\.layers\.\d+\.(self_attn\.\w+_proj|encoder_attn\.\w+_proj|fc1|fc2)\.(weight|bias)")
-TOKENIZER_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json", "tokenizer_config.json",
-                   "vocab.json", "merges.txt", "normalizer.json", "added_tokens.json", "special_tokens_map.json")
+LINEAR = re.compile(r"model\.decoder\.layers\.\d+\.(self_attn\.\w+_proj|encoder_attn\.\w+_proj|fc1|fc2)"
+                    r"\.(weight|bias)")
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors folder, as stored."""
-    state = {}
-    for path in checkpoint_files(Path(folder)):
-        state.update(read_tensors_file(path))
-    return state
+def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors folder, in its stored dtype."""
+    return read_state_dict(Path(folder), "cpu", None)
 
 
 def read_tensors_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -53,20 +50,20 @@ def read_tensors_file(path: str | Path) -> dict[str, torch.Tensor]:
 def export(draft_folder: str | Path, target_folder: str | Path, out_file: str | Path, info: dict) -> dict:
     """Write the tensors of `draft_folder` (a `specwhisper distill` output) that are not the
     target's to `out_file`, its blocks' linear layers in bfloat16 (as a compact draft runs them)
-    and the rest (layer norms, position embedding) in float32, with the metadata `assemble` needs (its config, which
-    target layer each draft layer's cross K/V projections are, `info` as JSON). Refuses a draft
-    whose encoder or token embedding is not the target's. Returns the metadata."""
-    draft, target = read_tensors(Path(draft_folder)), read_tensors(Path(target_folder))
+    and the rest (layer norms, position embedding) in float32, with the metadata `assemble` needs
+    (its config, which target layer each draft layer's cross K/V projections are, `info` as JSON).
+    Refuses a draft whose encoder or token embedding is not the target's. Returns the metadata."""
+    draft, target = read_tensors(draft_folder), read_tensors(target_folder)
     for key, value in draft.items():
         if (key.startswith(ENCODER) or key == EMBEDDING) and not torch.equal(value.float(), target[key].float()):
             raise ValueError(f"{draft_folder}: {key} is not the target's; only a draft that shares the "
                              "target's encoder and embedding (specwhisper distill) can be bundled")
     config = json.loads((Path(draft_folder) / "config.json").read_text())
-    layers = config["decoder_layers"]
+    target_layers = json.loads((Path(target_folder) / "config.json").read_text())["decoder_layers"]
     sources = []
-    for i in range(layers):
+    for i in range(config["decoder_layers"]):
         mine = {m.group(2): v for k, v in draft.items() if (m := CROSS_KV.fullmatch(k)) and int(m.group(1)) == i}
-        found = [j for j in range(json.loads((Path(target_folder) / "config.json").read_text())["decoder_layers"])
+        found = [j for j in range(target_layers)
                  if all(torch.equal(v.float(), target[f"model.decoder.layers.{j}.encoder_attn.{name}"].float())
                         for name, v in mine.items())]
         if not mine or not found:
@@ -82,8 +79,8 @@ def export(draft_folder: str | Path, target_folder: str | Path, out_file: str | 
 def assemble(bundle_file: str | Path, target_folder: str | Path, out_folder: str | Path) -> Path:
     """Rebuild a bundled draft's Hugging Face folder in `out_folder` from `bundle_file` and its
     fetched target: the target's encoder, token embedding and cross K/V projections (stored as the
-    target stores them), the bundle's tensors in the target's decoder dtype, its config, the
-    target's tokenizer files."""
+    target stores them), the bundle's tensors in float32 (exactly their stored values), its
+    config, the target's tokenizer files."""
     target_folder, out_folder = Path(target_folder), Path(out_folder)
     target = read_tensors(target_folder)
     with safe_open(str(bundle_file), framework="pt", device="cpu") as f:
