@@ -49,6 +49,23 @@ def test_linear_matches_reference(wdtype, K):
             assert torch.equal(cpu_ops.linear(x[m:m + 1], weight, bias), out[m:m + 1])
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
+    """A thread's weight rows are read as four strided streams (row n shares a tile with rows a
+    quarter of the range apart; the last N % 4 rows are single dot products): each output must be
+    the same bits whatever rows surround it. Slices of the weight move every row to another tile,
+    quarter or tail; 1, 3, 4 and 7 input rows take every tile shape (AVX2 and AVX-512)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(203, 520, generator=gen).to(wdtype)
+    for M in [1, 3, 4, 7]:
+        x = torch.randn(M, 520, generator=gen)
+        for level in (2, 1):
+            with cpu_ops.vector_level(level):
+                full = cpu_ops.linear(x, weight)
+                for a, b in [(0, 1), (1, 2), (5, 9), (3, 50), (100, 203), (7, 201)]:
+                    assert torch.equal(cpu_ops.linear(x, weight[a:b].contiguous()), full[:, a:b]), (M, level, a, b)
+
+
 def test_ops_run_on_every_thread_with_thread_independent_bits():
     """The extension is built with OpenMP (else at::parallel_for silently runs one thread), and a
     result never depends on how many threads computed it."""
