@@ -401,6 +401,26 @@ def test_draft_length_rule():
     ks = [step(useless, False, 0.28) for _ in range(60)]
     assert 0 < sum(k > 0 for k in ks[:10]) <= useless.TRIAL + 1 and sum(k > 1 for k in ks[10:]) == 0, ks
 
+    # a draft with its own encoder (20 plain passes a window) that has drafted before, switched
+    # off, and whose estimate is now just above MARGIN does not switch back on (START_MARGIN); the
+    # same estimate keeps it on while on, and switches it on before it ever drafted; clearly above
+    # START_MARGIN, it switches back on
+    def hovering(cost_ratio):
+        rule = DraftLength(None)
+        rule.window_tokens = 80.0
+        rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.1 + 0.1 * r for r in range(8)],
+                       cost_ratio=cost_ratio, setup_seconds=20.0)
+        return rule
+    near, clear = hovering(0.22), hovering(0.1)
+    assert near.MARGIN < near.best()[1] < near.START_MARGIN < clear.best()[1], (near.best(), clear.best())
+    assert near.pays()  # never drafted: the margin is MARGIN
+    for rule in (near, clear):
+        rule.spec = (2.0, 1.0)  # has drafted (too little for its measured rate to decide), is off
+    assert step(near, True, 0.22) == 0 and near.k == 0 and not near.on and not near.pays()
+    near.on = True  # the same estimate keeps a draft that is on
+    assert near.pays()
+    assert step(clear, True, 0.1) == 0 and clear.k > 0 and clear.on
+
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
     assert fixed.k == 5

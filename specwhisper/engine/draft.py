@@ -248,7 +248,9 @@ class DraftLength:
     The gain of k is 1 / ((k·c + v(k+1)) / E(k) + s); k in 1..8 maximizes it. Speculation runs
     while the best gain exceeds MARGIN and, once both are measured (speculation over at least
     MEASURED_TOKENS tokens), the speculative iterations' emitted tokens per second (setup
-    included) beat the plain steps' by MARGIN too. A plain step is timed only after a plain
+    included) beat the plain steps' by MARGIN too; switching back on a draft whose start is not
+    cheap, once it has drafted, takes START_MARGIN instead (hysteresis: an estimate near MARGIN
+    must not pay an encoder pass to switch on, then off). A plain step is timed only after a plain
     step: right after a speculative iteration the target's weights are out of the caches (the
     draft's steps ran in between), so such a step, slower than plain decoding, is not counted and
     another plain step follows it. Two plain steps every 32 speculative iterations keep the plain
@@ -275,6 +277,12 @@ class DraftLength:
     RUN_DECAY = 0.97  # ... in the per-position acceptance counts (sparser: slower to forget)
     PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
     MARGIN = 1.05  # speculation must promise, and measure, this much faster than plain steps
+    # ... and this much to switch back on a draft whose start is not cheap (its own encoder pass
+    # every window) once it has run: held to AVX2, tiny.en's estimate hovered about MARGIN (0.92-1.04 as the
+    # plain pass's timing moved on a busy machine), switched on in a fresh window, paid its
+    # encoder (200 ms) and switched off again a few iterations later: 0.83x of target-only on the
+    # demo recording in one round. Where it pays (AVX-512: 1.3-1.45 once on) this changes nothing
+    START_MARGIN = 1.15
     # the measured speculative rate decides from this many (decayed) tokens on; before, the model
     # does. One first iteration that kept 1 of 3 proposals on cold caches (10 ms a token against 9
     # for plain steps, held to AVX2) switched a draft off before its rate was known, and the lone
@@ -302,6 +310,7 @@ class DraftLength:
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
         self.spec_iters = 0
+        self.on = False  # speculation is switched on (refresh plain steps and all)
         self.after_spec = False  # the last iteration drafted: the next plain step runs on cold caches
         self.probe_every = self.until_probe = self.REFRESH  # plain steps between probes (backs off)
         # adaptive: a plain step first, so that from the first speculative iteration on the two
@@ -381,12 +390,16 @@ class DraftLength:
     def pays(self) -> bool:
         if self.spec_iters < self.TRIAL and self.setup_is_cheap():
             return self.best(always_right=True)[1] > self.MARGIN
-        if self.best()[1] <= self.MARGIN:
+        # hysteresis against switching back and forth; before any speculative iteration the
+        # acceptance is a prior (0.8: tiny.en's 0.89 measured on AVX-512 looked 0.92-1.05 from it)
+        restart = not self.on and self.spec is not None and not self.setup_is_cheap()
+        margin = self.START_MARGIN if restart else self.MARGIN
+        if self.best()[1] <= margin:
             return False
         if self.spec is None or self.plain is None or self.spec[0] < self.MEASURED_TOKENS:
             return True
         spec_time = self.spec[1] / self.spec[0] + self.setup_share() * (self.plain_pass or 0.0)
-        return self.plain[1] / self.plain[0] > self.MARGIN * spec_time
+        return self.plain[1] / self.plain[0] > margin * spec_time
 
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
         if self.fixed is not None:
@@ -404,7 +417,8 @@ class DraftLength:
             self.plain = self._track(self.plain, tokens, seconds)
             if verify_seconds > 0:
                 self._new_plain_pass(verify_seconds)
-            if self.pays():
+            self.on = self.pays()
+            if self.on:
                 self.k = self.best()[0]
             elif self.best(always_right=True)[1] > self.MARGIN:
                 self.until_probe -= 1
@@ -430,7 +444,8 @@ class DraftLength:
             self.verify_ratio[k + 1] = self._follow(self.verify_ratio[k + 1], verify_seconds / self.plain_pass)
             self.cost_ratio = self._follow(self.cost_ratio, draft_seconds / k / self.plain_pass)
         refresh = self.spec_iters % self.REFRESH_SPEC == 0
-        if self.pays():
+        self.on = self.pays()
+        if self.on:
             self.probe_every = self.until_probe = self.REFRESH
             self.k = 0 if refresh else self.best()[0]
         else:
