@@ -1078,8 +1078,10 @@ constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.1219
 constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f,
                 kP3 = 4.1665795894E-2f, kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
 
-// Attention streams its keys and values with prefetches this many bytes ahead (measured on a
-// 2-core Xeon, cold caches, 6 layers of base's cross-attention: 1.85 -> 1.3 ms at one query).
+// Attention streams its values with prefetches this many bytes ahead (measured on a 2-core Xeon,
+// cold caches, 6 layers of base's cross-attention, keys and values: 1.85 -> 1.3 ms at one query;
+// without them, the values alone, on a Zen 4 EPYC: 0.82 -> 0.86 ms, 5 queries 1.49 -> 2.11). Its
+// keys are read as matmul_range's 4 long streams instead (attention_impl).
 constexpr int64_t kAttnPrefetch = 4096;
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead.
@@ -1347,17 +1349,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       }
       const C* kbh = kp + b * ks[0] + h * ks[1];
       const C* vbh = vp + b * vs[0] + h * vs[1];
-      // keys in chunks of 16, each prefetching the keys kAttnPrefetch bytes ahead (a core's own
-      // prefetch requests keep more of the stream in flight than the hardware prefetcher,
-      // which stops at page boundaries); a score is one dot product whatever the chunking
-      const int64_t chunk = 16;
-      for (int64_t n0 = 0; n0 < n_max; n0 += chunk) {
-        const int64_t n1 = std::min(n_max, n0 + chunk);
-        if (vec && ks[2] == D)
-          for (int64_t l = n0 * D * int64_t(sizeof(C)); l < n1 * D * int64_t(sizeof(C)); l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(kbh) + kAttnPrefetch + l, _MM_HINT_T0);
-        matmul_range(qf.data(), Tq, D, kbh, n0, n1, scores.data(), n_max, vec);
-      }
+      // all the keys in one matmul_range: its tiles read them as 4 long streams (a quarter of the
+      // keys each), which the hardware prefetchers follow; chunks of 16 keys, each prefetching
+      // kAttnPrefetch bytes ahead, were slower (base's six cross-attention layers, 1500 keys,
+      // cold, 2 threads of a Zen 4 EPYC, alternated in one process: 1 query 1.60 -> 1.50 ms,
+      // 5 queries 2.60 -> 1.95; held to AVX2 1.32 -> 1.22, 2.21 -> 1.84). A score is one dot
+      // product whatever the tiling
+      matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
       if (vec && D == 64 && Tq > 1 && vs[3] == 1) {  // several queries: V read once for all
         softmax_values_multi_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
       } else {
