@@ -412,11 +412,6 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void rows_tile512(const flo
   }
 }
 
-// bfloat16 weights (widened as they stream, more work per byte than float32) prefetch each of a
-// tile's rows this many bytes ahead (a 2-layer draft's linears: 1.0 -> 0.7 ms cold; float32
-// weights stream as fast without).
-constexpr int64_t kLinearPrefetch = 2048;
-
 // acc[m, n] = x[m] . w[n] (float32) for weight rows n0..n1-1, on this thread.
 //
 // A tile's kNR weight rows are Q = (n1 - n0) / kNR rows apart, not adjacent: tile t takes rows
@@ -425,7 +420,10 @@ constexpr int64_t kLinearPrefetch = 2048;
 // each (2 KB for K = 512), too short for the hardware prefetchers to get ahead: one input row
 // against base's 2048 x 512 matrices streamed 11.5 GB/s on one core of a Zen 4 EPYC, 23 GB/s
 // this way (2 cores: 20 -> 31 GB/s). Each output's arithmetic is unchanged (the same bits); the
-// last n1 - n0 - kNR * Q rows (at most kNR - 1) are single dot products.
+// last n1 - n0 - kNR * Q rows (at most kNR - 1) are single dot products. bfloat16 weights no
+// longer prefetch each stream ahead in software: with the long streams that made a 2-layer
+// draft's linears slower (cold, 1 row, alternated in one process: 0.49 -> 0.61 ms; held to AVX2
+// 0.49 -> 0.59), where it had helped adjacent rows (1.0 -> 0.7 ms).
 template <typename W>
 void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* acc,
                   int64_t ldo, bool vec) {
@@ -445,13 +443,6 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
       rows_tile<float, kNR>(x, M, K, wide.data(), K, 0, out, ldo, Q, false);
       continue;
     }
-    if (!std::is_same<W, float>::value && more)  // bfloat16: each stream's bytes ahead, within its quarter
-      for (int64_t j = 0; j < kNR; ++j) {
-        const char* row = reinterpret_cast<const char*>(wt + j * ws);
-        const char* end = reinterpret_cast<const char*>(w + (n0 + (j + 1) * Q) * K);
-        for (int64_t l = 0; l < K * int64_t(sizeof(W)) && row + kLinearPrefetch + l < end; l += 64)
-          _mm_prefetch(row + kLinearPrefetch + l, _MM_HINT_T0);
-      }
     if (pairs)
       rows_tile512<W>(x, M, K, wt, ws, K, out, ldo, Q, more);
     else
@@ -1083,8 +1074,9 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
 
 // Attention streams its values with prefetches this many bytes ahead (measured on a 2-core Xeon,
 // cold caches, 6 layers of base's cross-attention, keys and values: 1.85 -> 1.3 ms at one query;
-// without them, the values alone, on a Zen 4 EPYC: 0.82 -> 0.86 ms, 5 queries 1.49 -> 2.11). Its
-// keys are read as matmul_range's 4 long streams instead (attention_impl).
+// without them, the values alone, on a Zen 4 EPYC, two pairs of alternating processes: 1 query
+// 0.82 / 1.11 -> 0.86 / 1.36 ms, 5 queries 1.49 / 1.79 -> 2.11 / 2.25). Its keys are read as
+// matmul_range's 4 long streams instead (attention_impl).
 constexpr int64_t kAttnPrefetch = 4096;
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead.

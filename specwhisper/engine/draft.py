@@ -278,10 +278,11 @@ class DraftLength:
     PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
     MARGIN = 1.05  # speculation must promise, and measure, this much faster than plain steps
     # ... and this much to switch back on a draft whose start is not cheap (its own encoder pass
-    # every window) once it has run: held to AVX2, tiny.en's estimate hovered about MARGIN (0.92-1.04 as the
-    # plain pass's timing moved on a busy machine), switched on in a fresh window, paid its
-    # encoder (200 ms) and switched off again a few iterations later: 0.83x of target-only on the
-    # demo recording in one round. Where it pays (AVX-512: 1.3-1.45 once on) this changes nothing
+    # every window) once it has run: held to AVX2, tiny.en's estimate hovered about MARGIN
+    # (0.92-1.04 as the plain pass's timing moved on a busy machine), switched on in a fresh
+    # window, paid its encoder (200 ms) and switched off again a few iterations later: 0.83x of
+    # target-only on the demo recording in one round. Where it pays (AVX-512: 1.3-1.45 once on)
+    # this changes nothing
     START_MARGIN = 1.15
     # the measured speculative rate decides from this many (decayed) tokens on; before, the model
     # does. One first iteration that kept 1 of 3 proposals on cold caches (10 ms a token against 9
