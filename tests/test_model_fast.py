@@ -199,7 +199,7 @@ def test_gather_dot_equals_linear_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [16, 64])
-@pytest.mark.parametrize("T", [5, 9])  # 9 queries: the multi-query value pass runs in groups of 6
+@pytest.mark.parametrize("T", [5, 9])
 def test_attention_matches_reference(dtype, D, T):
     gen = torch.Generator().manual_seed(D + T)
     B, H, S = 3, 2, 40
