@@ -236,7 +236,7 @@ class DraftLength:
     E(k) = 1 + Σ_{j≤k} p_1···p_j tokens on average, where
     - c = (draft step time) / (plain pass time), and v(r) = (target pass over r rows) / (plain
       pass): both measured once on scratch caches before the first decision (`calibrate`: on a
-      CPU each verify row adds arithmetic, v(5) ≈ 1.3-1.7; the draft step of a small model costs
+      CPU each verify row adds arithmetic, v(5) ≈ 1.1-1.7 by machine; the draft step of a small model costs
       far more than its bytes suggest), then kept up to date from the timed iterations;
     - p_j is the acceptance of proposal j given the j - 1 before it were accepted, counted over
       recent iterations that reached j (exponentially weighted, with the pooled rate
