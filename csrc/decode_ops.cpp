@@ -1116,6 +1116,7 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
 // 0.82 / 1.11 -> 0.86 / 1.36 ms, 5 queries 1.49 / 1.79 -> 2.11 / 2.25). Its keys are read as
 // matmul_range's 4 long streams instead (attention_impl).
 constexpr int64_t kAttnPrefetch = 4096;
+constexpr int64_t kOwnValuePass = 9;  // queries whose values take a pass each (attention_impl)
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead.
 template <typename T>
@@ -1222,6 +1223,114 @@ __attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, cons
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], div));
 }
 
+// The value sums of G queries (D == 64) in one pass over the value rows per 16 dimensions, so V
+// is read once for all the queries of a long pass (a prompt: not once per query). w[g][0..n[g]) are the
+// softmax weights of query g, total[g] their sum. Each output element is the same chain of
+// fmas over j ascending as in softmax_values_avx2, then the same division: the same bits.
+template <int G, typename T>
+__attribute__((target("avx2,fma"))) void values_group_avx2(const float* const* w, const int64_t* n,
+                                                           const float* total, const T* v, int64_t vs,
+                                                           float* const* out) {
+  int64_t n_max = 0;
+  for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
+  for (int c = 0; c < 64; c += 16) {
+    __m256 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n_max; ++j) {
+      const T* vj = v + j * vs + c;
+      if (c == 0) prefetch_value_row(vj);
+      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
+      for (int g = 0; g < G; ++g)
+        if (j < n[g]) {
+          const __m256 p = _mm256_set1_ps(w[g][j]);
+          acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 div = _mm256_set1_ps(total[g]);
+      _mm256_storeu_ps(out[g] + c, _mm256_div_ps(acc[g][0], div));
+      _mm256_storeu_ps(out[g] + c + 8, _mm256_div_ps(acc[g][1], div));
+    }
+  }
+}
+
+// values_group_avx2 with 16 dimensions per register (AVX-512): each output element is the same
+// chain of fmas over j ascending, then the same division, so the same bits.
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int G, typename T>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void values_group512(const float* const* w, const int64_t* n,
+                                                                         const float* total, const T* v, int64_t vs,
+                                                                         float* const* out) {
+  int64_t n_max = 0;
+  for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
+  for (int c = 0; c < 64; c += 32) {
+    __m512 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_max; ++j) {
+      const T* vj = v + j * vs + c;
+      if (c == 0) prefetch_value_row(v + j * vs);
+      const __m512 v0 = load16(vj), v1 = load16(vj + 16);
+      for (int g = 0; g < G; ++g)
+        if (j < n[g]) {
+          const __m512 p = _mm512_set1_ps(w[g][j]);
+          acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+          acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 div = _mm512_set1_ps(total[g]);
+      _mm512_storeu_ps(out[g] + c, _mm512_div_ps(acc[g][0], div));
+      _mm512_storeu_ps(out[g] + c + 16, _mm512_div_ps(acc[g][1], div));
+    }
+  }
+}
+
+// Softmax-weighted value sums of Tq >= 2 queries (D == 64): weights per query, then the value
+// pass in groups of up to 6 queries (12 accumulators + 2 value registers).
+template <typename T>
+__attribute__((target("avx2,fma"))) void softmax_values_multi_avx2(float* scores, int64_t ld, const int64_t* n,
+                                                                   int64_t Tq, const T* v, int64_t vs, float* out) {
+  std::vector<float> total(Tq);
+  std::vector<const float*> w(Tq);
+  std::vector<float*> o(Tq);
+  for (int64_t t = 0; t < Tq; ++t) {
+    float* st = scores + t * ld;
+    total[t] = softmax_weights_avx2(st, n[t], max_avx2(st, n[t]));
+    w[t] = st, o[t] = out + t * 64;
+  }
+  if (vector_level() >= 2) {
+    for (int64_t t = 0; t < Tq; t += 8) {
+      switch (std::min<int64_t>(8, Tq - t)) {
+        case 1: values_group512<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 2: values_group512<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 3: values_group512<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 4: values_group512<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 5: values_group512<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 6: values_group512<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 7: values_group512<7>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        default: values_group512<8>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      }
+    }
+    return;
+  }
+  for (int64_t t = 0; t < Tq; t += 6) {
+    switch (std::min<int64_t>(6, Tq - t)) {
+      case 1: values_group_avx2<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 2: values_group_avx2<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 3: values_group_avx2<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 4: values_group_avx2<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 5: values_group_avx2<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      default: values_group_avx2<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+    }
+  }
+}
+
 // Softmax-weighted sum of values for one query whose scores[0..n) are computed.
 template <typename T>
 void softmax_values(float* scores, const T* v, int64_t vs, int64_t n, int64_t D, bool vec, float* out) {
@@ -1281,13 +1390,19 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       // 5 queries 2.60 -> 1.95; held to AVX2 1.32 -> 1.22, 2.21 -> 1.84). A score is one dot
       // product whatever the tiling
       matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
-      // each query's value sum in its own pass over V: the first reads the head's values from
-      // memory, the others from L2 (384 KB a head for base). One pass for all queries, in groups
-      // of 16 dimensions, was slower here (6 cross-attention layers, 1500 keys, cold, Zen 4 EPYC,
-      // alternated in one process: 5 queries 2.25 -> 2.11 ms, held to AVX2 2.50 -> 1.90; 9 queries
-      // 2.96 -> 2.39 held to AVX2)
-      for (int64_t t = 0; t < Tq; ++t)
-        softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data() + t * D);
+      // up to kOwnValuePass queries (a verify pass): each query's value sum in its own pass over V,
+      // the first from memory, the others from L2 (384 KB a head for base); the one pass for all
+      // queries in groups of 16 dimensions was slower there (6 cross-attention layers, 1500 keys,
+      // cold, Zen 4 EPYC, alternated in one process: 5 queries 2.25 -> 2.11 ms, held to AVX2
+      // 2.50 -> 1.90; 9 queries 2.96 -> 2.39 held to AVX2). More queries (a prompt pass) re-read V
+      // from L2 once per query in their own passes: the groups win there (227 queries 47.5 ->
+      // 38.3 ms, held to AVX2 44.8 -> 38.9)
+      if (vec && D == 64 && Tq > kOwnValuePass && vs[3] == 1) {
+        softmax_values_multi_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
+      } else {
+        for (int64_t t = 0; t < Tq; ++t)
+          softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data() + t * D);
+      }
       for (int64_t t = 0; t < Tq; ++t) {
         T* o = op + ((b * Tq + t) * H + h) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[t * D + d]);
