@@ -106,6 +106,23 @@ def test_shared_encoder_is_detected_and_run_once(target, drafts):
         Engine(target, drafts["wrong"], shared_encoder=True)
 
 
+def test_draft_prompt_keeps_the_last_previous_tokens(target, drafts):
+    """A draft's prompt keeps <|startofprev|> and the last PREV_TOKENS of the previous text (its
+    prompt pass is a cost speculation adds to every window), then its own start sequence."""
+    from specwhisper.engine.slots import SeqSpec
+
+    engine = Engine(target, drafts["noisy"])
+    tok, d = engine.target.tokenizer, engine.drafter
+    sot_prev = tok.backend.token_to_id("<|startofprev|>")
+    start = tok.prompt("en", "transcribe")[:-1]
+    for n_prev in (0, 5, d.PREV_TOKENS, d.PREV_TOKENS + 37):
+        prev = [100 + i for i in range(n_prev)]
+        prompt = ([sot_prev] + prev if n_prev else []) + start
+        spec = SeqSpec(prompt, "en", "transcribe", 8, timestamps=True, sot_index=prompt.index(tok.sot))
+        kept = prev[max(0, n_prev - d.PREV_TOKENS):]
+        assert d.prompt(spec) == ([sot_prev] + kept if n_prev else []) + start
+
+
 def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, drafts, mels, reference):
     """A draft whose output head equals the target's (distilled drafts reuse the target's
     embedding) greedy-picks through the target's screened head: one int8 copy in cache for both,
