@@ -438,6 +438,21 @@ def test_draft_length_rule():
     assert near.pays()
     assert step(clear, True, 0.1) == 0 and clear.k > 0 and clear.on
 
+    # a measured rate that switched a draft off in one window does not keep it off in the next:
+    # the window's end leaves it the weight of NEW_WINDOW_TOKENS, so the model decides again (and
+    # the new window's iterations are measured before the rate decides)
+    stale = DraftLength(None)
+    stale.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
+                    cost_ratio=0.28, setup_seconds=0.0)
+    stale.spec, stale.plain, stale.spec_iters = (40.0, 60.0), (20.0, 20.0), stale.TRIAL  # 1.5 passes a token
+    assert stale.best()[1] > stale.MARGIN and not stale.pays()
+    assert step(stale, True, 0.28) == 0 and stale.k == 0
+    stale.window_done(100)
+    assert stale.spec == (stale.NEW_WINDOW_TOKENS, 1.5 * stale.NEW_WINDOW_TOKENS) and stale.pays()
+    assert step(stale, True, 0.28) == 0 and stale.k > 0
+    ks = [step(stale, False, 0.28) for _ in range(8)]  # the new window's iterations lose: off again
+    assert ks[0] > 0 and ks[-1] == 0, ks
+
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
     assert fixed.k == 5

@@ -264,7 +264,8 @@ class DraftLength:
     step: right after a speculative iteration the target's weights are out of the caches (the
     draft's steps ran in between), so such a step, slower than plain decoding, is not counted and
     another plain step follows it. Two plain steps every 32 speculative iterations keep the plain
-    rate fresh; while speculation is off, a k = 1
+    rate fresh; a window's end leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS),
+    so each window starts from the model and is measured anew; while speculation is off, a k = 1
     probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
     after twice as many each time, but only where a draft that is always right would pay (so a
     self draft, or one whose setup outweighs any saving, never drafts), and, when a draft's start
@@ -299,6 +300,12 @@ class DraftLength:
     # for plain steps, held to AVX2) switched a draft off before its rate was known, and the lone
     # k = 1 probes that followed could not outweigh it
     MEASURED_TOKENS = 8.0
+    # the weight a window's end leaves the measured speculative rate (`window_done`). The rate of a
+    # window's last iterations carried over to the next windows and calls: base's distilled draft
+    # held to AVX2 was switched off by a hard stretch at the end of the demo recording, and the
+    # next call, whose model estimate said 1.16x, decoded all 379 tokens with it off (two k = 1
+    # probes could not move the stale rate): 1.00x there, against 1.08-1.10x for calls that drafted
+    NEW_WINDOW_TOKENS = MEASURED_TOKENS / 2
     # a draft that would pay if always right gets this many speculative iterations before the
     # model may switch it off: base's long-form distilled draft held to AVX2 missed its first
     # proposals of the demo recording (0 of 2), the model's estimate fell below MARGIN after that
@@ -386,9 +393,15 @@ class DraftLength:
             self.setup = per_row if not self.setup else self._follow(self.setup, per_row)
 
     def window_done(self, tokens: int) -> None:
-        """A window finished with `tokens` generated tokens (spreads the setup)."""
+        """A window finished with `tokens` generated tokens (spreads the setup). The measured
+        speculative rate keeps its value but drops to NEW_WINDOW_TOKENS of weight: the next
+        window's first decisions are the model's (its acceptance and costs are current), and its
+        own iterations are measured before the rate decides again."""
         if self.fixed is None and tokens > 0:
             self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens
+            if self.spec is not None and self.spec[0] > self.NEW_WINDOW_TOKENS:
+                scale = self.NEW_WINDOW_TOKENS / self.spec[0]
+                self.spec = (self.spec[0] * scale, self.spec[1] * scale)
 
     def probing(self) -> bool:
         """Whether the next iteration is a k = 1 probe while speculation is off."""
