@@ -136,14 +136,15 @@ def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, draft
 
 
 def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, reference, monkeypatch):
-    """On a CPU with bfloat16 arithmetic a compact draft with its own encoder runs that encoder
-    and its cross K/V in bfloat16 (forced here, whatever this CPU has): other proposals, the same
+    """On a CPU with AMX a compact draft with its own encoder runs that encoder and its cross K/V
+    in bfloat16 (forced here, whatever this CPU has): other proposals, the same
     output; a shared-encoder draft keeps the target's float32 encoder."""
     from specwhisper.backends import cpu_ops
 
     if not cpu_ops.available():
         pytest.skip("compact drafts need the C++ decode ops")
     monkeypatch.setattr(cpu_ops, "native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_ops, "bf16_draft_encoder", lambda: True)  # AMX
     engine = Engine(target, drafts["wrong"])
     draft = engine.drafter.draft.model
     assert draft.encoder.conv1.weight.dtype == torch.bfloat16 and draft.decoder.native_bf16
@@ -177,6 +178,25 @@ def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, refere
     assert sum(o.stats.draft_passes for o in out) > 0
     shared = Engine(target, drafts["shared"]).drafter.draft.model.encoder
     assert not shared.int8_linears and shared.attention_block is None
+
+
+def test_a_draft_encoder_without_amx_takes_int8_projections(target, drafts, monkeypatch):
+    """bfloat16 arithmetic without AMX (AVX512-BF16 alone, forced here): the draft's own encoder
+    takes fbgemm's int8 projections, faster there than torch's bfloat16 GEMM; its decoder keeps
+    bfloat16 cross K/V."""
+    from specwhisper.backends import cpu_ops
+    from specwhisper.model import encoder_cpu
+
+    if not cpu_ops.available() or not encoder_cpu.int8_usable():
+        pytest.skip("needs the C++ decode ops and fbgemm's int8 linear")
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not cpu_ops.bf16_draft_encoder()
+    draft = Engine(target, drafts["wrong"]).drafter.draft.model
+    assert draft.encoder.int8_linears and draft.encoder.conv1.weight.dtype == torch.float32
+    assert draft.encoder.local_last and draft.decoder.native_bf16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert cpu_ops.bf16_draft_encoder()
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

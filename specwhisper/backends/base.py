@@ -51,18 +51,18 @@ class Backend:
     def compact_draft(self, model, own_encoder: bool) -> None:
         """Compact a draft model: its decoder's projections in bfloat16, read as int8 copies by its
         C++ step, and, for a draft with its own encoder, its encoder in bfloat16 on a CPU with
-        bfloat16 arithmetic, else its projections in int8 (`model.whisper.Whisper.compact_*`,
+        AMX (`cpu_ops.bf16_draft_encoder`), else its projections in int8 (`model.whisper.Whisper.compact_*`,
         `int8_encoder`), its layers attending within 3-second blocks (`local_encoder`; the last
         layer too with int8 projections, where that pass costs most). A draft only proposes: the
         output stays exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
         if own_encoder:  # its own encoder pass: the largest part of its cost
-            if cpu_ops.native_bf16():
+            if cpu_ops.bf16_draft_encoder():
                 model.compact_encoder()
                 model.local_encoder()  # attention within 3 s blocks: a tenth of that pass's largest part
             else:
-                # no bfloat16 arithmetic (an AVX2 CPU): int8 projections instead, and every layer
+                # no AMX (an AVX2 CPU, or AVX512-BF16 alone): int8 projections instead, and every layer
                 # local (tiny.en held to AVX2: 123 -> 103 ms a window, demo acceptance 0.869 -> 0.868;
                 # the demo then drafts, 1.07-1.11x, where before the controller kept it off)
                 model.local_encoder(last=model.int8_encoder())
