@@ -461,14 +461,14 @@ template <typename W>
 void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* acc,
                   int64_t ldo, bool vec) {
   const int64_t Q = vec ? (n1 - n0) / kNR : 0, ws = Q * K;
-  // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
-  // so the same bits) instead of once per group of kMR rows
   // several rows: the AVX-512 tiles, unless the rows are short. Attention's 64-feature keys spend
   // as much on each tile's sums as on its products, and tile512 sums a row's 4 outputs alone where
   // the AVX2 tiles sum two rows' 8 at once: base's six cross-attention layers, cold, alternated in
   // one process on a Zen 4 EPYC, 5 queries 2.05 -> 1.87 ms, 9 queries 2.76 -> 2.54 with the AVX2
   // tiles for K < 128 (the linears, K = 512 and 2048, unchanged)
   const bool pairs = vec && M >= 2 && vector_level() >= 2 && K >= 128;
+  // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
+  // so the same bits) instead of once per group of kMR rows
   const bool widen_tile = vec && !pairs && !std::is_same<W, float>::value && M > kMR;
   std::vector<float> wide(widen_tile ? kNR * K : 0);
   for (int64_t t = 0; t < Q; ++t) {
