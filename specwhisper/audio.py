@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-import soundfile
 import torch
 import torch.nn.functional as F
 
@@ -53,7 +52,15 @@ def load_audio(source: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
 
 
 def _read_with_soundfile(source: str | os.PathLike | bytes) -> tuple[np.ndarray, int] | None:
-    """`([frames, channels] float32, sample rate)`, or None when libsndfile cannot read it."""
+    """`([frames, channels] float32, sample rate)`, or None when libsndfile cannot read it.
+
+    soundfile is imported here, not with the module, so that the engine imports on machines that
+    lack it (a GPU image with its own packages); there every format goes to ffmpeg.
+    """
+    try:
+        import soundfile
+    except ImportError:
+        return None
     try:
         return soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source,
                               dtype="float32", always_2d=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specwhisper import Engine, sampling
+from specwhisper.backends import ops
 from specwhisper.engine.decoding import LoadedModel
 from specwhisper.engine.graphs import StepGraphs
 from specwhisper.model.whisper import DecoderCache
@@ -65,7 +66,11 @@ def test_graphed_decoder_steps_equal_eager(multilingual, dtype):
                 got, want = graphs.run(("step", width), graphed), eager()
                 assert torch.equal(got[0], want[0]), (width, replay)
                 assert torch.equal(got[1], want[1]), (width, replay)
-    for a, b in zip(graphed_cache.buffers(), eager_cache.buffers()):
+    # every real slot alike; the scratch slot is left out: a row out of the batch writes all its
+    # `width` positions into it at once, and which duplicate write lands last is unspecified on CUDA
+    for a, b in zip(graphed_cache.buffers()[:2], eager_cache.buffers()[:2]):
+        assert torch.equal(a[:, :, :, :scratch], b[:, :, :, :scratch])
+    for a, b in zip(graphed_cache.buffers()[2:], eager_cache.buffers()[2:]):
         assert torch.equal(a, b)
     assert graphs.keys() == [("step", 1), ("step", 4)]
 
@@ -88,15 +93,16 @@ def test_speculative_equals_target_only_in_fp32(multilingual, ckpt_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,k,V", [(1, 4, 51866), (3, 1, 51865), (5, 7, 1000)])
 def test_seeded_accept_step_equals_reference(dtype, B, k, V):
-    """`speculative_sample` with a seeded CUDA generator: the same tokens every time, and the
-    tokens the reference gives with the noise that seed draws (uniforms first, then Exp(1))."""
+    """`ops.speculative_sample` (the Triton kernel on CUDA) with a seeded CUDA generator: the same
+    tokens every time, and the tokens the reference gives with the noise that seed draws (uniforms
+    first, then Exp(1))."""
     g = torch.Generator(device="cuda").manual_seed(B * k)
     target = (3 * torch.randn(B, k + 1, V, device="cuda", generator=g)).to(dtype)
     draft = (3 * torch.randn(B, k, V, device="cuda", generator=g)).to(dtype)
     proposals = torch.randint(0, V, (B, k), device="cuda", generator=g)
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
-        runs = [sampling.speculative_sample(target, draft, proposals, temperature, top_p,
-                                            torch.Generator(device="cuda").manual_seed(42)) for _ in range(2)]
+        runs = [ops.speculative_sample(target, draft, proposals, temperature, top_p,
+                                       torch.Generator(device="cuda").manual_seed(42)) for _ in range(2)]
         noise_gen = torch.Generator(device="cuda").manual_seed(42)
         uniforms = sampling.draw_uniforms((B, k), "cuda", noise_gen)
         noise = sampling.draw_exp_noise((B, V), "cuda", noise_gen)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from whisper.decoding import ApplyTimestampRules, SuppressBlank, SuppressTokens
-from whisper.tokenizer import get_tokenizer
+pytest.importorskip("whisper")  # openai-whisper, the reference
+from whisper.decoding import ApplyTimestampRules, SuppressBlank, SuppressTokens  # noqa: E402
+from whisper.tokenizer import get_tokenizer  # noqa: E402
 
 from specwhisper.engine.rules import RuleTables, apply_rules, row_state, rule_mask, rule_mask_reference
 
