@@ -169,6 +169,14 @@ def test_load_compressed_audio(tmp_path, speech, ext):
         assert correlation(loaded, speech) > 0.99
 
 
+@needs_ffmpeg
+def test_without_soundfile_every_format_goes_to_ffmpeg(monkeypatch, speech):
+    import sys
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # `import soundfile` raises ImportError
+    loaded = load_audio(SAMPLES[0])
+    np.testing.assert_allclose(loaded, speech, atol=1 / 32768)
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 def test_missing_file(tmp_path):
