@@ -263,6 +263,7 @@ def test_draft_starts_only_when_speculation_runs(target, drafts, mels, reference
     off = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)
     assert off.tokens == reference[0]
     assert off.stats.draft_passes == 0 and off.stats.drafted == 0
+    assert not engine.runner.state.dtokens.any()  # nor its bookkeeping after each plain pass
     calls = []
 
     def later(k, *a, **kw):  # off for 5 iterations, then k = 2
