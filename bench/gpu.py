@@ -344,11 +344,18 @@ class Bench:
         self.free_models()  # the engines load their own copies
         graphed = self.device.type == "cuda"  # the engine's default: draft and verify steps as CUDA graphs
         N, k = self.args.max_new_tokens, self.args.k
-        # name: (draft, k, cuda_graphs); the eager row shows what the graphs buy end to end
-        systems = {"target-only": (None, None, graphed), f"self-draft k={k}": (folder, k, graphed),
-                   "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed)}
+        # name: (draft, k, cuda_graphs, dtype, the target-only row it must equal); the eager row
+        # shows what the graphs buy end to end. In half precision a verify pass of k + 1 positions
+        # can round a near tie differently from a one-token step, so the float32 rows show
+        # exactness on the same weights (README, GPU)
+        systems = {"target-only": (None, None, graphed, self.dtype, "target-only"),
+                   f"self-draft k={k}": (folder, k, graphed, self.dtype, "target-only"),
+                   "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed, self.dtype, "target-only")}
         if graphed:
-            systems["target-only eager"] = (None, None, False)
+            systems["target-only eager"] = (None, None, False, self.dtype, "target-only")
+        if self.dtype != torch.float32:
+            systems["target-only float32"] = (None, None, graphed, torch.float32, "target-only float32")
+            systems[f"self-draft k={k} float32"] = (folder, k, graphed, torch.float32, "target-only float32")
         out = dict(max_new_tokens=N, cuda_graphs=graphed, systems={})
         try:
             Engine(folder, draft=self.folders["tiny"], device=self.device, dtype=self.dtype)
@@ -356,8 +363,8 @@ class Bench:
         except ValueError as exc:
             out["tiny_draft"] = f"refused: {exc}"
         tokens_of = {}
-        for name, (draft, k_draft, cuda_graphs) in systems.items():
-            engine = Engine(folder, draft=draft, device=self.device, dtype=self.dtype, cuda_graphs=cuda_graphs)
+        for name, (draft, k_draft, cuda_graphs, dtype, reference) in systems.items():
+            engine = Engine(folder, draft=draft, device=self.device, dtype=dtype, cuda_graphs=cuda_graphs)
             out["systems"][name] = {}
             for batch in self.args.batch[:1] if self.args.quick else self.args.batch:
                 mel = torch.randn(batch, n_mels, 3000, generator=torch.Generator().manual_seed(batch))
@@ -375,7 +382,7 @@ class Bench:
                     per_token_ms=(full - half) / (N - N // 2) * 1e3,
                     acceptance=statistics.mean(r.stats.acceptance_rate for r in results),
                     tokens_per_pass=stats.tokens_per_pass,
-                    same_tokens_as_target_only=tokens_of[(name, batch)] == tokens_of.get(("target-only", batch)),
+                    same_tokens_as_target_only=tokens_of[(name, batch)] == tokens_of.get((reference, batch)),
                     graph_keys=len(engine.runner.graphs.keys()) if engine.runner.graphs is not None else 0)
             del engine
             self.free_models()
