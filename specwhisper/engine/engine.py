@@ -51,7 +51,11 @@ class Engine:
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
                  draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
                  compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race"):
-        """`shared_encoder`: None detects a draft whose encoder equals the target's (it then
+        """`dtype`: None is float32 on a CPU and float16 on CUDA. In float16/bfloat16 on a GPU a
+        verify pass of k + 1 positions (or another batch bucket) can round a near-tied argmax
+        differently from a one-token step, so speculative tokens can differ from target-only's
+        there (README, GPU); float32 is token-exact everywhere.
+        `shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
         `compact_draft`: store the draft decoder's projection weights and its cross-attention
