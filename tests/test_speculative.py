@@ -180,6 +180,38 @@ def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, refere
     assert not shared.int8_linears and shared.attention_block is None
 
 
+def test_content_frames_end_at_the_audio_in_whole_blocks():
+    from specwhisper import log_mel_spectrogram
+    from specwhisper.engine.draft import content_frames
+
+    g = torch.Generator().manual_seed(3)
+    clip = 0.1 * torch.randn(7 * 16000, generator=g)  # 7 s of noise, then padding to 30 s
+    assert content_frames(log_mel_spectrogram(clip.numpy())) == 900  # 700 frames (+ the STFT's tail)
+    assert content_frames(log_mel_spectrogram(torch.zeros(16000).numpy())) == 300  # silence: one block
+    assert content_frames(log_mel_spectrogram((0.1 * torch.randn(30 * 16000, generator=g)).numpy())) == 3000
+    mel = torch.randn(80, 3000, generator=g)
+    mel[:, 1234:] = mel.min()
+    mel[5, 1500] = mel.min() + 1  # a column off the floor: the audio goes on
+    assert content_frames(mel) == 1800
+
+
+def test_a_draft_encoder_runs_over_the_audio_only(target, drafts, mels, monkeypatch):
+    """A draft with its own encoder encodes a window's audio, not its padding (whole 3 s blocks;
+    zero features after them): other proposals, the target's output."""
+    clip = mels[:2].clone()
+    clip[0, :, 1000:] = clip[0].min()  # audio ends at 10 s: 1200 frames of whole blocks
+    plain = Engine(target).transcribe(clip, language="en", max_new_tokens=MAX_NEW)
+    engine = Engine(target, drafts["wrong"])
+    encoder, seen = engine.drafter.draft.model.encoder, []
+    forward = encoder.forward
+    monkeypatch.setattr(encoder, "forward", lambda mel: seen.append(mel.shape[-1]) or forward(mel))
+    out = engine.transcribe(clip, language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
+    assert [o.tokens for o in out] == [o.tokens for o in plain]
+    assert sorted(seen) == [1200, 3000]
+    features = engine.drafter.encode(clip[0])
+    assert features.shape[1] == 1500 and not features[0, 600:].any() and features[0, :600].abs().sum() > 0
+
+
 def test_a_draft_encoder_without_amx_takes_int8_projections(target, drafts, monkeypatch):
     """bfloat16 arithmetic without AMX (AVX512-BF16 alone, forced here): the draft's own encoder
     takes fbgemm's int8 projections, faster there than torch's bfloat16 GEMM; its decoder keeps

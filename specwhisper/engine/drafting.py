@@ -55,7 +55,7 @@ class DraftSide:
             rows.cross_k.copy_(self.target_cache.cross_k[:, s:s + 1].index_select(0, src))
             rows.cross_v.copy_(self.target_cache.cross_v[:, s:s + 1].index_select(0, src))
         else:
-            dfeat = features[None] if d.shared_encoder else d.draft.model.encoder(draft_mel[None].to(self.device, self.dtype))
+            dfeat = features[None] if d.shared_encoder else d.encode(draft_mel.to(self.device, self.dtype))
             ddec.fill_cross(rows, dfeat)
         dprompt = d.prompt(spec)
         P = len(dprompt)
