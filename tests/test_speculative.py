@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import make_checkpoint
 from specwhisper import Engine
+from specwhisper.model.whisper import DecoderCache
 
 MAX_NEW = 40
 
@@ -208,8 +209,17 @@ def test_a_draft_encoder_runs_over_the_audio_only(target, drafts, mels, monkeypa
     out = engine.transcribe(clip, language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == [o.tokens for o in plain]
     assert sorted(seen) == [1200, 3000]
-    features = engine.drafter.encode(clip[0])
-    assert features.shape[1] == 1500 and not features[0, 600:].any() and features[0, :600].abs().sum() > 0
+    features, frames = engine.drafter.encode(clip[0])
+    assert frames == 600 and features.shape[1] == 1500
+    assert not features[0, 600:].any() and features[0, :600].abs().sum() > 0
+    # the zero frames' K/V written from one zero row: the same bits as projecting them all
+    ddec = engine.drafter.draft.model.decoder
+    cfg = engine.drafter.draft.config
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [DecoderCache.allocate(cfg, 1, "cpu", torch.float32, dtype) for _ in range(2)]
+        ddec.fill_cross(caches[0], features)
+        ddec.fill_cross(caches[1], features, frames=frames)
+        assert torch.equal(caches[0].cross_k, caches[1].cross_k) and torch.equal(caches[0].cross_v, caches[1].cross_v)
 
 
 def test_a_draft_encoder_without_amx_takes_int8_projections(target, drafts, monkeypatch):

@@ -55,8 +55,11 @@ class DraftSide:
             rows.cross_k.copy_(self.target_cache.cross_k[:, s:s + 1].index_select(0, src))
             rows.cross_v.copy_(self.target_cache.cross_v[:, s:s + 1].index_select(0, src))
         else:
-            dfeat = features[None] if d.shared_encoder else d.encode(draft_mel.to(self.device, self.dtype))
-            ddec.fill_cross(rows, dfeat)
+            if d.shared_encoder:
+                ddec.fill_cross(rows, features[None])
+            else:
+                dfeat, frames = d.encode(draft_mel.to(self.device, self.dtype))
+                ddec.fill_cross(rows, dfeat, frames=frames)
         dprompt = d.prompt(spec)
         P = len(dprompt)
         ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],

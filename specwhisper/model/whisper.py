@@ -218,12 +218,27 @@ class Decoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     @torch.no_grad()
-    def fill_cross(self, cache: DecoderCache, audio_features: torch.Tensor, rows: slice = slice(None)):
+    def fill_cross(self, cache: DecoderCache, audio_features: torch.Tensor, rows: slice = slice(None),
+                   frames: int | None = None):
         """Compute cross-attention K/V once per utterance into the cache rows `rows`, one
         utterance at a time: a row's K/V never depend on the other rows (a GEMM's rounding may
-        depend on its shape)."""
+        depend on its shape). `frames`: the features past it are zero (`Drafter.encode`), so their
+        K/V are the projections of one zero row (its biases), written without the products."""
         targets = range(cache.cross_k.shape[1])[rows]
         assert len(targets) == audio_features.shape[0], (len(targets), audio_features.shape)
+        T = audio_features.shape[1]
+        if frames is not None and frames < T:
+            for j, row in enumerate(targets):
+                # the audio's frames, then one zero row whose K/V every later position takes
+                part = torch.cat([audio_features[j:j + 1, :frames], audio_features.new_zeros(1, 1, audio_features.shape[2])], 1)
+                head = DecoderCache(cache.self_k[:, row:row + 1], cache.self_v[:, row:row + 1],
+                                    cache.cross_k[:, row:row + 1, :, :frames + 1],
+                                    cache.cross_v[:, row:row + 1, :, :frames + 1])
+                self.fill_cross(head, part)
+                for buf in (cache.cross_k, cache.cross_v):
+                    rest = buf[:, row:row + 1, :, frames + 1:]
+                    rest.copy_(buf[:, row:row + 1, :, frames:frames + 1].expand_as(rest))
+            return
         for j, row in enumerate(targets):
             features = audio_features[j:j + 1]
             for i, layer in enumerate(self.layers):
