@@ -230,7 +230,8 @@ class Decoder(nn.Module):
         if frames is not None and frames < T:
             for j, row in enumerate(targets):
                 # the audio's frames, then one zero row whose K/V every later position takes
-                part = torch.cat([audio_features[j:j + 1, :frames], audio_features.new_zeros(1, 1, audio_features.shape[2])], 1)
+                zero = audio_features.new_zeros(1, 1, audio_features.shape[2])
+                part = torch.cat([audio_features[j:j + 1, :frames], zero], 1)
                 head = DecoderCache(cache.self_k[:, row:row + 1], cache.self_v[:, row:row + 1],
                                     cache.cross_k[:, row:row + 1, :, :frames + 1],
                                     cache.cross_v[:, row:row + 1, :, :frames + 1])
