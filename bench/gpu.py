@@ -388,6 +388,41 @@ class Bench:
             self.free_models()
         return out
 
+    def rtfx(self) -> dict:
+        """Many concurrent long-form requests in one engine (continuous batching): audio seconds
+        per wall second, speculation off and on (a self draft: on random weights the only draft
+        that is ever right). Random mels of `seconds` each, greedy (no fallback), no previous-text
+        prompt; a first call warms up (graphs captured) and is not timed."""
+        from specwhisper import Engine
+
+        folder = self.folders["large-v3"]
+        n_mels = WhisperConfig.from_hf(folder).num_mel_bins
+        self.free_models()
+        graphed = self.device.type == "cuda"
+        requests, seconds = (2, 35) if self.args.quick else (16, 60)
+        g = torch.Generator().manual_seed(11)
+        mels = [torch.randn(n_mels, seconds * 100, generator=g) for _ in range(requests)]
+        out = dict(requests=requests, seconds_each=seconds, cuda_graphs=graphed, systems={})
+        for name, (draft, k) in {"target-only": (None, None), f"self-draft k={self.args.k}": (folder, self.args.k)}.items():
+            engine = Engine(folder, draft=draft, device=self.device, dtype=self.dtype, max_batch=requests,
+                            cuda_graphs=graphed)
+
+            def call(engine=engine, k=k):
+                return engine.transcribe(mels, language="en", temperature=(0.0,), num_draft_tokens=k,
+                                         condition_on_previous_text=False)
+            call()
+            self.clock.sync()
+            start = time.perf_counter()
+            results = call()
+            self.clock.sync()
+            wall = time.perf_counter() - start
+            tokens = sum(len(r.tokens) for r in results)
+            out["systems"][name] = dict(wall_s=wall, rtfx=requests * seconds / wall, tokens=tokens,
+                                        tokens_per_s=tokens / wall)
+            del engine
+            self.free_models()
+        return out
+
     def clock_call(self, fn):
         """(median seconds, last result) of a whole call."""
         spans, result = [], None
@@ -429,6 +464,7 @@ class Bench:
         self.section("modeled", self.modeled)
         self.section("near_ties", self.near_ties, min_seconds=20)
         self.section("e2e", self.e2e, min_seconds=60)
+        self.section("rtfx", self.rtfx, min_seconds=60)
         self.section("hf", self.hf, min_seconds=30)
         self.results["seconds"] = time.perf_counter() - self.started
         self.save()

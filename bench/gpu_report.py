@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-GOALS = dict(floor_ratio=1.5, draft_ms=0.12, hf_ratio=5.0, speedup=2.5, accept_us=20.0)
+GOALS = dict(floor_ratio=1.5, draft_ms=0.12, hf_ratio=5.0, speedup=2.5, accept_us=20.0, rtfx=1000.0)
 
 
 def at(d: dict | None, *keys):
@@ -42,6 +42,7 @@ def goals(r: dict) -> list[list]:
     theirs = at(hf, "eager", "rows", 1, "per_token_ms")
     speedup = at(r.get("modeled"), "tiny B=1", "table", "0.8:5", "speedup")
     acc = at(accept, "rows", 1, 4, "sample_graphed_us")
+    rtfx = max((t["rtfx"] for t in (at(r.get("rtfx"), "systems") or {}).values()), default=None)
     ratio = target / floor if target and floor else None
     hf_ratio = theirs / ours if theirs and ours else None
     check = lambda ok: None if ok is None else ("met" if ok else "missed")  # noqa: E731
@@ -56,6 +57,8 @@ def goals(r: dict) -> list[list]:
          check(None if speedup is None else speedup >= GOALS["speedup"])],
         ["accept step B=1 k=4 V=51866, graphed (µs)", fmt(acc), f"≤ {GOALS['accept_us']}",
          check(None if acc is None else acc <= GOALS["accept_us"])],
+        ["concurrent long-form RTFx (best of speculation off / on)", fmt(rtfx), f"≥ {GOALS['rtfx']:g}",
+         check(None if rtfx is None else rtfx >= GOALS["rtfx"])],
     ]
 
 
@@ -128,6 +131,12 @@ def markdown(r: dict) -> str:
                   f"tiny as a draft for large-v3: {e2e.get('tiny_draft')}", ""]
         lines += table(["system", "B", "tokens/s", "per token ms", "acceptance", "tokens/pass",
                         "= target-only"], rows) + [""]
+    rtfx = r.get("rtfx")
+    if rtfx:
+        rows = [[name, t["rtfx"], t["wall_s"], t["tokens"], t["tokens_per_s"]] for name, t in rtfx["systems"].items()]
+        lines += [f"## Concurrent long-form: {rtfx['requests']} requests of {rtfx['seconds_each']} s in one engine "
+                  "(random mels, greedy, no previous text)", ""]
+        lines += table(["system", "RTFx (audio s per wall s)", "wall s", "tokens", "tokens/s"], rows) + [""]
     modeled = r.get("modeled")
     if modeled:
         lines += ["## Modeled speculative speedup over graphed target-only", "",
