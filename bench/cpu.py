@@ -309,13 +309,15 @@ def profile_step(engine: Engine, mel: torch.Tensor) -> str:
 
 def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
     """Every system's whole call per window, interleaved (each repeat times every system on every
-    window in turn, so a slow spell of the machine hits all alike); decode seconds per window =
+    window in turn, so a slow spell of the machine hits all alike; every other repeat in reverse); decode seconds per window =
     median call minus the system's median encoder time. systems: (name, run, encode)."""
     tokens = {name: [run(mel) for mel in mels] for name, run, _ in systems}  # also the warm-up
     calls = {name: [[] for _ in mels] for name, _, _ in systems}
     encs = {name: [] for name, _, _ in systems}
-    for _ in range(repeats):
-        for name, run, encode in systems:
+    for r in range(repeats):
+        # every other round backwards: no system always runs right after the same neighbour (the
+        # CTranslate2 workers' processes, a draft engine's setup) or always first on cold caches
+        for name, run, encode in (systems if r % 2 == 0 else systems[::-1]):
             for i, mel in enumerate(mels):
                 t = time.perf_counter()
                 run(mel)
