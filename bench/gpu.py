@@ -392,7 +392,7 @@ class Bench:
         """Many concurrent long-form requests in one engine (continuous batching): audio seconds
         per wall second, speculation off and on (a self draft: on random weights the only draft
         that is ever right). Random mels of `seconds` each, greedy (no fallback), no previous-text
-        prompt; a first call warms up (graphs captured) and is not timed."""
+        prompt; a first call warms up (graphs captured) and is not timed, then `clock_call`'s median."""
         from specwhisper import Engine
 
         folder = self.folders["large-v3"]
@@ -411,11 +411,7 @@ class Bench:
                 return engine.transcribe(mels, language="en", temperature=(0.0,), num_draft_tokens=k,
                                          condition_on_previous_text=False)
             call()
-            self.clock.sync()
-            start = time.perf_counter()
-            results = call()
-            self.clock.sync()
-            wall = time.perf_counter() - start
+            wall, results = self.clock_call(call)
             tokens = sum(len(r.tokens) for r in results)
             out["systems"][name] = dict(wall_s=wall, rtfx=requests * seconds / wall, tokens=tokens,
                                         tokens_per_s=tokens / wall)
