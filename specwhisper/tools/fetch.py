@@ -41,7 +41,7 @@ MODELS = {
 # drafts shipped in specwhisper/drafts: name -> (the fetched target it was distilled for, sha256 of
 # the bundle file <name>.safetensors)
 DRAFTS = {
-    "base-2l": ("base", "7a4c7ccfef1cc973a6e7b5bd7681341e470c7938a0e0cabeb76f782e44e0a799"),
+    "base-2l": ("base", "7c32a70c8b9119f70697ec553c0b3b1d092831a87ab4163561c0ac49874efce0"),
 }
 NAMES = (*MODELS, *DRAFTS)
 
