@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import BinaryIO
 
@@ -152,6 +153,10 @@ def log_mel_spectrogram(audio: torch.Tensor | np.ndarray, n_mels: int = 80, padd
     long-form decoding, computed as openai-whisper's `transcribe()` does: 30 s of zeros appended
     (`padding=N_SAMPLES`), one STFT and one normalization (max - 8 floor) over all of it, then
     the frames of the recording itself kept.
+
+    Audio longer than one window without `whole=True` keeps its first 30 s only, with a
+    `UserWarning` saying so (`Engine.transcribe` given that mel would decode those 30 s alone);
+    trim first with `pad_or_trim(audio)` to keep one window on purpose, without the warning.
     """
     if n_mels not in SUPPORTED_N_MELS:
         raise ValueError(f"n_mels must be one of {SUPPORTED_N_MELS}, got {n_mels}")
@@ -170,6 +175,10 @@ def log_mel_spectrogram(audio: torch.Tensor | np.ndarray, n_mels: int = 80, padd
     if whole:
         audio = F.pad(audio.to(torch.float32), (0, N_SAMPLES))
     else:
+        if audio.shape[0] > N_SAMPLES:
+            warnings.warn(f"log_mel_spectrogram: the audio is {audio.shape[0] / SAMPLE_RATE:.1f} s long and only "
+                          f"its first {N_SAMPLES // SAMPLE_RATE} s are kept; pass whole=True for the whole recording "
+                          "(long-form decoding), or give Engine.transcribe the audio itself", UserWarning, stacklevel=2)
         audio = pad_or_trim(F.pad(audio.to(torch.float32), (0, padding)), N_SAMPLES)
     window, mel_filters = _stft_constants(n_mels, audio.device)
     stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # [201, frames + 1]

@@ -86,7 +86,27 @@ def test_parity_on_edge_lengths(feature_extractors, n_mels, case):
         audio = load_audio(SAMPLES[1])[: int(seconds * SAMPLE_RATE)]
         if case == "silence":
             audio = np.zeros_like(audio)
-    assert_parity(feature_extractors[n_mels], audio, n_mels)
+    if case == "long_35s":
+        with pytest.warns(UserWarning, match=r"35\.0 s long and only its first 30 s are kept"):
+            assert_parity(feature_extractors[n_mels], audio, n_mels)
+    else:
+        assert_parity(feature_extractors[n_mels], audio, n_mels)
+
+
+def test_cutting_long_audio_warns_only_when_implicit(speech):
+    """Over 30 s without whole=True: a UserWarning (the rest would be silently dropped); a
+    window's worth, pad_or_trim first, whole=True, or zero padding past 30 s: no warning."""
+    import warnings
+
+    long = np.resize(speech, 31 * SAMPLE_RATE)
+    with pytest.warns(UserWarning, match="whole=True"):
+        cut = log_mel_spectrogram(long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(log_mel_spectrogram(pad_or_trim(long)), cut)
+        assert log_mel_spectrogram(long, whole=True).shape == (80, 31 * SAMPLE_RATE // 160)
+        log_mel_spectrogram(long[:N_SAMPLES])
+        log_mel_spectrogram(speech, padding=N_SAMPLES)
 
 
 def test_input_kinds_agree(speech):
