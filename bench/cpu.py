@@ -16,7 +16,9 @@ encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/en
 
 Decode time per token = (median whole call − the system's median encoder time) / tokens, so a
 draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls.
-All systems are timed interleaved (each repeat runs every system on every window in turn).
+All systems are timed interleaved (each round takes each window through every system in turn);
+besides the ratios of medians, the table gives paired ratios against target-only: each round's
+decode (and whole-call) seconds against target-only's in the same round, median and range over rounds.
 CTranslate2 runs in a worker process (bench/ct2_worker.py): its OpenMP runtime and PyTorch's in
 one process contend for the cores and slowed both by ≈ 40% on 2 cores.
 
@@ -308,17 +310,20 @@ def profile_step(engine: Engine, mel: torch.Tensor) -> str:
 
 
 def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
-    """Every system's whole call per window, interleaved (each repeat times every system on every
-    window in turn, so a slow spell of the machine hits all alike; every other repeat in reverse); decode seconds per window =
-    median call minus the system's median encoder time. systems: (name, run, encode)."""
+    """Every system's whole call per window, interleaved window by window (each round takes each
+    window in turn through every system, so the calls compared are seconds apart and a slow spell
+    of the machine hits all alike; every other round in reverse order); decode seconds per window =
+    median call minus the system's median encoder time. Besides the medians, each round's sums give
+    paired ratios against the first system (decode and whole call, that round's calls only): their
+    median and range over the rounds. systems: (name, run, encode)."""
     tokens = {name: [run(mel) for mel in mels] for name, run, _ in systems}  # also the warm-up
     calls = {name: [[] for _ in mels] for name, _, _ in systems}
     encs = {name: [] for name, _, _ in systems}
     for r in range(repeats):
         # every other round backwards: no system always runs right after the same neighbour (the
         # CTranslate2 workers' processes, a draft engine's setup) or always first on cold caches
-        for name, run, encode in (systems if r % 2 == 0 else systems[::-1]):
-            for i, mel in enumerate(mels):
+        for i, mel in enumerate(mels):
+            for name, run, encode in (systems if r % 2 == 0 else systems[::-1]):
                 t = time.perf_counter()
                 run(mel)
                 calls[name][i].append(time.perf_counter() - t)
@@ -332,9 +337,17 @@ def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
         decode = [t - enc for t in totals]
         n = sum(len(t) + 1 for t in tokens[name])  # + 1: the EOT step
         seconds = sum(decode) if min(decode) > 0 else float("nan")  # nan: swamped by noise
+        rounds = [sum(c[r] for c in calls[name]) for r in range(repeats)]  # whole calls of round r
         print(f"{name}: {1e3 * seconds / n:.1f} ms/token, {sum(totals):.2f} s per {len(mels)} calls", flush=True)
         out.append(dict(name=name, tokens=tokens[name], call_seconds=totals, encoder_seconds=enc,
-                        decode_seconds=decode, tokens_per_s=n / seconds, ms_per_token=1e3 * seconds / n))
+                        decode_seconds=decode, tokens_per_s=n / seconds, ms_per_token=1e3 * seconds / n,
+                        round_call_seconds=rounds, round_decode_seconds=[c - len(mels) * enc for c in rounds]))
+    first = out[0]
+    for x in out:
+        for key in ("call", "decode"):
+            ratios = [a / b if a > 0 and b > 0 else float("nan")
+                      for a, b in zip(first[f"round_{key}_seconds"], x[f"round_{key}_seconds"])]
+            x[f"paired_{key}_vs_first"] = dict(median=statistics.median(ratios), low=min(ratios), high=max(ratios))
     return out
 
 
@@ -518,13 +531,19 @@ def markdown(r: dict) -> str:
     lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",
               "|---" * (len(r["verify_over_step"]) + 1) + "|",
               "| verify / step | " + " | ".join(f"{v:.2f}" for v in r["verify_over_step"].values()) + " |", "",
-              "| system | tokens/s (decode) | ms/token | vs target-only | vs CT2 (decode) | vs CT2 (whole call) "
-              "| acceptance | tokens = target-only | WER |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| system | tokens/s (decode) | ms/token | vs target-only | paired per round: decode / whole call "
+              "(range) | vs CT2 (decode) | vs CT2 (whole call) | acceptance | tokens = target-only | WER |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def paired(x, key):
+        p = x.get(f"paired_{key}_vs_first")
+        return "" if p is None else f"{p['median']:.2f}× ({p['low']:.2f}–{p['high']:.2f})"
+
     for x in r["runs"]:
         acc = "" if "acceptance" not in x else f"{x['acceptance']:.2f}" if x["drafted"] else "off"
         lines.append(f"| {x['name']} | {x['tokens_per_s']:.1f} | {x['ms_per_token']:.1f} | "
-                     f"{x['speedup_vs_target_only']:.2f}× | {ct2['ms_per_token'] / x['ms_per_token']:.2f}× | "
+                     f"{x['speedup_vs_target_only']:.2f}× | {paired(x, 'decode')} / {paired(x, 'call')} | "
+                     f"{ct2['ms_per_token'] / x['ms_per_token']:.2f}× | "
                      f"{x['call_speedup_vs_ct2']:.2f}× | {acc} | "
                      f"{'yes' if x['identical_to_target_only'] else 'NO'} | {x['wer']:.3f} |")
     lines += ["", "One target step, torch.profiler (5 steps):", "```", r["profile"], "```"]

@@ -1,0 +1,37 @@
+"""bench/cpu.py's end-to-end harness: the order it times systems in and its paired ratios."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+cpu = pytest.importorskip("cpu")
+
+
+def test_end_to_end_interleaves_windows_and_pairs_rounds(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    order = []
+    decode = {"A": 2.0, "B": 1.0, "C": 2.0}  # seconds per window at round 0's speed; encoders take 1 s
+
+    def system(name):
+        def run(mel):
+            rnd = max(0, len(order) - 6) // 6  # 6 calls a round (3 systems x 2 windows) after the warm-up
+            order.append((name, mel))
+            clock[0] += (1 + 3 * rnd) * decode[name] + 1.0  # the machine slows down round by round
+            return [1, 2, 3]
+
+        def encode(mel):
+            clock[0] += 1.0
+        return name, run, encode
+
+    out = cpu.end_to_end([system(n) for n in "ABC"], mels=[0, 1], repeats=3)
+    timed = order[6:]  # after the warm-up (every system on every window)
+    assert timed[:6] == [("A", 0), ("B", 0), ("C", 0), ("A", 1), ("B", 1), ("C", 1)]
+    assert timed[6:12] == [("C", 0), ("B", 0), ("A", 0), ("C", 1), ("B", 1), ("A", 1)]
+    by = {x["name"]: x for x in out}
+    # paired: every round's decode of A over B's is 2, whatever that round's speed
+    assert by["B"]["paired_decode_vs_first"] == dict(median=2.0, low=2.0, high=2.0)
+    assert by["C"]["paired_call_vs_first"] == dict(median=1.0, low=1.0, high=1.0)
+    assert by["B"]["paired_call_vs_first"]["low"] == pytest.approx(6 / 4)  # round 0: (2 + 1) * 2 / (1 + 1) * 2
+    assert by["A"]["round_decode_seconds"] == [4.0, 16.0, 28.0]
