@@ -33,6 +33,7 @@ class Run:
     text: str
     tokens: list[int] | None = None
     note: str = ""
+    speedup: float | None = None  # vs target-only, paired by round (None: seconds over target-only's)
 
 
 def vector_level() -> str:
@@ -138,24 +139,31 @@ def run_demo(target: str, drafts: list[str], target_name: str, k: int | None, th
     status("")
 
     print("Transcribing (openai-whisper's long-form algorithm, greedy with temperature fallback, seed 0)"
-          + (f", {repeats} interleaved rounds, medians:" if repeats > 1 else ":"))
+          + (f", {repeats} interleaved rounds, medians; 'vs target-only' pairs each round's calls:"
+             if repeats > 1 else ":"))
     width = max(len("target-only"), *(len(f"+ {n}") for n in names))
     plain_times, spec_times = [], [[] for _ in specs]
-    for _ in range(repeats):  # interleaved: a busy spell of the machine hits every system alike
-        a, t = transcribe(plain, mel, "target-only", duration)
-        plain_times.append(t)
-        print(f"  {'target-only':{width}s} {t:6.1f} s")
-        outs = []
-        for spec, name, times in zip(specs, names, spec_times):
-            b, t = transcribe(spec, mel, f"+ {name}", duration, num_draft_tokens=k)
-            outs.append(b)
-            times.append(t)
-            print(f"  {'+ ' + name:{width}s} {t:6.1f} s")
+    outs = [None] * len(specs)
+    # interleaved: a busy spell of the machine hits every system alike; every other round in
+    # reverse, so target-only is not always the first call of a round
+    systems = [(None, "target-only")] + list(enumerate(f"+ {n}" for n in names))
+    for r in range(repeats):
+        for i, label in (systems if r % 2 == 0 else systems[::-1]):
+            if i is None:
+                a, t = transcribe(plain, mel, label, duration)
+                plain_times.append(t)
+            else:
+                outs[i], t = transcribe(specs[i], mel, label, duration, num_draft_tokens=k)
+                spec_times[i].append(t)
+            print(f"  {label:{width}s} {t:6.1f} s")
     t_plain = statistics.median(plain_times)
     runs = [Run(f"target-only ({target_name})", t_plain, a.text, a.tokens)]
     for b, name, times in zip(outs, names, spec_times):
+        # speedup: the median over rounds of target-only's call over this one's in the same round
+        # (calls seconds apart), steadier than a ratio of medians where the machine's speed drifts
+        paired = statistics.median(p / t for p, t in zip(plain_times, times))
         runs.append(Run(f"speculative (+ {name}, k={'adaptive' if k is None else k})", statistics.median(times),
-                        b.text, b.tokens, note=speculation_note(b.stats)))
+                        b.text, b.tokens, note=speculation_note(b.stats), speedup=paired))
     if ct2 and importlib.util.find_spec("ctranslate2") is not None and target_name in MODELS:
         status("  CTranslate2 int8 (own process) ...")
         try:
@@ -174,7 +182,7 @@ def run_demo(target: str, drafts: list[str], target_name: str, k: int | None, th
     for run in runs:
         score = f"{wer([reference_text], [run.text]):.1%}" if reference_text else "-"
         print(f"{run.system:44s} {run.seconds:8.1f} {duration / run.seconds:12.1f} "
-              f"{t_plain / run.seconds:14.2f}x {score:>7s}" + (f"   {run.note}" if run.note else ""))
+              f"{run.speedup or t_plain / run.seconds:14.2f}x {score:>7s}" + (f"   {run.note}" if run.note else ""))
     same = [b.tokens == a.tokens for b in outs]
     print()
     for name, ok in zip(names, same):
