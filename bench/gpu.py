@@ -50,6 +50,7 @@ from specwhisper.model.whisper import DecoderCache  # noqa: E402
 
 ALPHAS = (0.6, 0.7, 0.8, 0.9, 0.95)
 KS = tuple(range(1, 9))
+SECTIONS = ("bandwidth", "steps", "drafts", "accept", "near_ties", "e2e", "rtfx", "hf")
 PREFIX = 64  # cached positions when a step is timed (mid-utterance)
 
 
@@ -451,6 +452,12 @@ class Bench:
 
     def run(self) -> dict:
         self.section("models", self.make_models)
+        if self.args.sections:  # a chosen few (a second call for what a first one's budget skipped)
+            for name in self.args.sections:
+                self.section(name, getattr(self, name))
+            self.results["seconds"] = time.perf_counter() - self.started
+            self.save()
+            return self.results
         if "models" in self.results["errors"]:
             return self.results
         self.section("bandwidth", self.bandwidth)
@@ -510,6 +517,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--tie-trials", type=int, default=64, help="random prefixes per verify width (near ties)")
     ap.add_argument("--hf-timeout", type=float, default=200, help="seconds for each transformers child")
     ap.add_argument("--no-compile", action="store_true", help="skip transformers static cache + torch.compile")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
+                    help="run only these sections (no budget skips), e.g. rtfx hf")
     ap.add_argument("--budget", type=float, default=330, help="seconds; later sections are skipped past it")
     args = ap.parse_args(argv)
     if args.dtype is None:

@@ -1,0 +1,140 @@
+"""Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy: the CUDA
+kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step beside it,
+the same step compiled by torch.compile (inductor; cudagraphs only from `StepGraphs`) then captured by
+`StepGraphs`, and the race-sampling kernel the engine's sampled verify runs.
+
+    python bench/gpu_profile.py --models DIR --out OUT_DIR [--widths 1 5] [--no-compile]
+    python bench/gpu_profile.py --models DIR --out OUT_DIR --device cpu --quick   # smoke test
+
+Writes profile.json and prints a summary. Random weights from bench/gpu_models.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_models  # noqa: E402
+from gpu import Clock, StaticStep, filled_cache  # noqa: E402
+from specwhisper.engine.decoding import LoadedModel  # noqa: E402
+from specwhisper.engine.graphs import StepGraphs  # noqa: E402
+
+
+def kernel_profile(step, device, steps: int = 5) -> dict:
+    """GPU kernels of `steps` eager calls: per-step count and time, the top kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    by_name, count, total = defaultdict(float), 0, 0.0
+    for e in prof.events():
+        if device.type == "cuda" and e.device_type.name != "CUDA":
+            continue
+        if device.type != "cuda" and not e.name.startswith("aten::"):
+            continue
+        us = e.device_time if device.type == "cuda" else e.cpu_time
+        by_name[e.name[:90]] += us / steps
+        count += 1
+        total += us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:18]
+    return dict(kernels_per_step=count / steps, kernel_us_per_step=total / steps,
+                top=[dict(name=n, us_per_step=round(t, 1)) for n, t in top])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-mode", default="default", help="torch.compile mode (its own cudagraphs off)")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    folders = gpu_models.make_models(args.models, device, dtype, args.quick)
+    target = LoadedModel.load(folders["large-v3"], device, dtype)
+    clock = Clock(device, args.quick)
+    out: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     batch=args.batch, widths={})
+    path = args.out / "profile.json"
+
+    def save():
+        path.write_text(json.dumps(out, indent=1))
+
+    cache = filled_cache(target, args.batch, device, dtype)
+    for w in args.widths:
+        step = StaticStep(target, cache, w)
+        graphs = StepGraphs(True, device)
+        row = dict(eager_ms=clock(step) * 1e3,
+                   graphed_ms=clock(lambda: graphs.run(("t", w), step)) * 1e3)
+        row["profile"] = kernel_profile(step, device)
+        out["widths"][w] = row
+        print(f"width {w}: eager {row['eager_ms']:.3f} ms, graphed {row['graphed_ms']:.3f} ms, "
+              f"{row['profile']['kernels_per_step']:.0f} kernels, {row['profile']['kernel_us_per_step']:.0f} us "
+              "of kernel time per step", flush=True)
+        for t in row["profile"]["top"][:12]:
+            print(f"   {t['us_per_step']:8.1f} us  {t['name']}", flush=True)
+        save()
+
+    # the race kernel of a sampled verify: B x (k+1) rows of the vocabulary
+    from specwhisper.backends import ops
+
+    kernels = ops.triton_kernels() if device.type == "cuda" else None
+    if kernels is not None:
+        V, race = 51866, {}
+        for n in (1, 5, 40):
+            g = torch.Generator(device=device).manual_seed(n)
+            logits = 3 * torch.randn(n, V, device=device, dtype=dtype, generator=g)
+            temp = torch.ones(n, device=device)
+            seed = torch.arange(n, device=device, dtype=torch.int64)
+            pos = torch.zeros(n, device=device, dtype=torch.int64)
+            for top_p in (1.0, 0.95):
+                tp = torch.full((n,), top_p, device=device)
+                graphs = StepGraphs(True, device)
+
+                def fn(logits=logits, temp=temp, tp=tp, seed=seed, pos=pos):
+                    return kernels.race_sample_triton(logits, temp, tp, seed, pos)
+                race[f"rows={n} top_p={top_p}"] = round(clock(lambda: graphs.run(("race", n, top_p), fn)) * 1e6, 1)
+            greedy = StepGraphs(True, device)
+            race[f"rows={n} argmax"] = round(clock(lambda: greedy.run(("argmax", n), lambda: logits.argmax(-1))) * 1e6, 1)
+        out["race_us_graphed"] = race
+        print("race sampling (us, graphed):", race, flush=True)
+        save()
+
+    if not args.no_compile:
+        compiled = {}
+        for w in args.widths:
+            step = StaticStep(target, cache, w)
+            fn = torch.compile(step.__call__, mode=None if args.compile_mode == "default" else args.compile_mode,
+                               dynamic=False)
+            start = time.perf_counter()
+            fn()
+            compile_s = time.perf_counter() - start
+            same = bool(torch.equal(fn(), step()))
+            graphs = StepGraphs(True, device)
+            compiled[w] = dict(compile_s=round(compile_s, 1), same_argmax_as_eager=same,
+                               compiled_eager_ms=clock(fn) * 1e3,
+                               compiled_graphed_ms=clock(lambda: graphs.run(("c", w), fn)) * 1e3)
+            print(f"compiled width {w}: {compiled[w]}", flush=True)
+            out["compiled"] = compiled
+            save()
+
+
+if __name__ == "__main__":
+    main()
