@@ -256,6 +256,18 @@ class Bench:
                     graphs = StepGraphs(True, self.device)
                     row[f"{mode}_eager_us"] = self.clock(fn) * 1e6
                     row[f"{mode}_graphed_us"] = self.clock(lambda: graphs.run(mode, fn)) * 1e6
+                # the engine's default (sampling="race"): the target's token at each of the k + 1
+                # positions raced from its logits, then compared with the draft's (one small op)
+                race = race_op(self.device)
+                if race is not None:
+                    n = batch * (k + 1)
+                    flat = target_logits.view(n, V)
+                    keys = (torch.ones(n, device=self.device), torch.ones(n, device=self.device),
+                            torch.arange(n, device=self.device), torch.zeros(n, dtype=torch.int64, device=self.device))
+                    for name, split in (("race", True), ("race_row", False)):
+                        graphs = StepGraphs(True, self.device)
+                        fn = lambda split=split: race(flat, *keys, None, split=split)  # noqa: E731
+                        row[f"{name}_graphed_us"] = self.clock(lambda: graphs.run(name, fn)) * 1e6
                 out["rows"][batch][k] = row
         return out
 
@@ -442,7 +454,8 @@ class Bench:
                 table = {}
                 for alpha in ALPHAS:
                     for k in self.ks:
-                        t_accept = accept["rows"][batch][k]["sample_graphed_us"] / 1e3
+                        timed = accept["rows"][batch][k]
+                        t_accept = (timed.get("race_graphed_us") or timed["sample_graphed_us"]) / 1e3
                         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
                         cost = k * t_draft + width[k + 1]["graphed_ms"] + t_accept
                         table[f"{alpha}:{k}"] = dict(alpha=alpha, k=k, tokens_per_pass=tokens,
@@ -484,6 +497,16 @@ def accept_op(device):
         from specwhisper.backends import ops as backend
 
         return backend.speculative_sample_noise, f"specwhisper.backend ({backend.which_backend(device)})"
+
+
+def race_op(device):
+    """The Triton race kernel (`split` keyword: chunked or one program per row), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from specwhisper.backends import ops
+
+    kernels = ops.triton_kernels()
+    return None if kernels is None else kernels.race_sample_triton
 
 
 def environment(device: torch.device) -> dict:

@@ -1,5 +1,6 @@
 """Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy: the CUDA
 kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step beside it,
+the graphed step with each set of torch's attention kernels,
 the same step compiled by torch.compile (inductor; cudagraphs only from `StepGraphs`) then captured by
 `StepGraphs`, and the race-sampling kernel the engine's sampled verify runs.
 
@@ -11,6 +12,7 @@ Writes profile.json and prints a summary. Random weights from bench/gpu_models.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -92,6 +94,32 @@ def main(argv=None) -> None:
             print(f"   {t['us_per_step']:8.1f} us  {t['name']}", flush=True)
         save()
 
+    # attention: which of torch's SDPA kernels serves the decode step's shapes best (cuDNN's is
+    # chosen by default: 1 query and 5 queries over 449 self slots and 1500 audio frames)
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sets = {"default": None, "no cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                              SDPBackend.MATH],
+                "efficient + math": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+                "math": [SDPBackend.MATH]}
+        attention = {}
+        for w in args.widths:
+            step = StaticStep(target, cache, w)
+            reference = step().clone()
+            for name, backends in sets.items():
+                graphs = StepGraphs(True, device)
+                try:
+                    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                        ms = clock(lambda: graphs.run(("a", w), step)) * 1e3
+                        same = bool(torch.equal(graphs.run(("a", w), step), reference))
+                    attention[f"width {w}: {name}"] = dict(graphed_ms=round(ms, 3), same_argmax=same)
+                except Exception as exc:  # a backend that refuses these shapes
+                    attention[f"width {w}: {name}"] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                print(f"attention width {w} {name}: {attention[f'width {w}: {name}']}", flush=True)
+        out["attention"] = attention
+        save()
+
     # the race kernel of a sampled verify: B x (k+1) rows of the vocabulary
     from specwhisper.backends import ops
 
@@ -108,9 +136,11 @@ def main(argv=None) -> None:
                 tp = torch.full((n,), top_p, device=device)
                 graphs = StepGraphs(True, device)
 
-                def fn(logits=logits, temp=temp, tp=tp, seed=seed, pos=pos):
-                    return kernels.race_sample_triton(logits, temp, tp, seed, pos)
-                race[f"rows={n} top_p={top_p}"] = round(clock(lambda: graphs.run(("race", n, top_p), fn)) * 1e6, 1)
+                for split in (True, False):  # chunked (the default) / one program per row
+                    def fn(logits=logits, temp=temp, tp=tp, seed=seed, pos=pos, split=split):
+                        return kernels.race_sample_triton(logits, temp, tp, seed, pos, split=split)
+                    name = f"rows={n} top_p={top_p} {'chunked' if split else 'per-row'}"
+                    race[name] = round(clock(lambda: graphs.run(("race", n, top_p, split), fn)) * 1e6, 1)
             greedy = StepGraphs(True, device)
             race[f"rows={n} argmax"] = round(clock(lambda: greedy.run(("argmax", n), lambda: logits.argmax(-1))) * 1e6, 1)
         out["race_us_graphed"] = race

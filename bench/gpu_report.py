@@ -41,7 +41,8 @@ def goals(r: dict) -> list[list]:
     ours = at(e2e, "systems", "target-only", 1, "per_token_ms")
     theirs = at(hf, "eager", "rows", 1, "per_token_ms")
     speedup = at(r.get("modeled"), "tiny B=1", "table", "0.8:5", "speedup")
-    acc = at(accept, "rows", 1, 4, "sample_graphed_us")
+    # the engine's default sampled path (the race kernel over the k + 1 positions) when timed
+    acc = at(accept, "rows", 1, 4, "race_graphed_us") or at(accept, "rows", 1, 4, "sample_graphed_us")
     rtfx = max((t["rtfx"] for t in (at(r.get("rtfx"), "systems") or {}).values()), default=None)
     ratio = target / floor if target and floor else None
     hf_ratio = theirs / ours if theirs and ours else None
@@ -55,7 +56,7 @@ def goals(r: dict) -> list[list]:
          check(None if hf_ratio is None else hf_ratio >= GOALS["hf_ratio"])],
         ["modeled speedup, tiny, α=0.8, k=5, B=1", fmt(speedup), f"≥ {GOALS['speedup']}",
          check(None if speedup is None else speedup >= GOALS["speedup"])],
-        ["accept step B=1 k=4 V=51866, graphed (µs)", fmt(acc), f"≤ {GOALS['accept_us']}",
+        ["accept step B=1 k=4 V=51866, graphed (µs; race)", fmt(acc), f"≤ {GOALS['accept_us']}",
          check(None if acc is None else acc <= GOALS["accept_us"])],
         ["concurrent long-form RTFx (best of speculation off / on)", fmt(rtfx), f"≥ {GOALS['rtfx']:g}",
          check(None if rtfx is None else rtfx >= GOALS["rtfx"])],
@@ -94,10 +95,13 @@ def markdown(r: dict) -> str:
         lines += ["## Draft step, chained (ms)", ""] + table(["draft", "B", "eager", "graphed", "gain"], rows) + [""]
     acc = r.get("accept")
     if acc:
-        rows = [[b, k, t["sample_eager_us"], t["sample_graphed_us"], t["greedy_eager_us"], t["greedy_graphed_us"]]
+        rows = [[b, k, t["sample_eager_us"], t["sample_graphed_us"], t["greedy_eager_us"], t["greedy_graphed_us"],
+                 t.get("race_graphed_us"), t.get("race_row_graphed_us")]
                 for b, per in acc["rows"].items() for k, t in per.items()]
-        lines += [f"## Accept step (µs), V = 51866, {acc['op']}", ""] + table(
-            ["B", "k", "sample eager", "sample graphed", "greedy eager", "greedy graphed"], rows) + [""]
+        lines += [f"## Accept step (µs), V = 51866, {acc['op']}; race: the engine's default sampled path, "
+                  "B × (k+1) rows raced (chunked kernel / one program per row)", ""] + table(
+            ["B", "k", "sample eager", "sample graphed", "greedy eager", "greedy graphed", "race graphed",
+             "race per-row graphed"], rows) + [""]
     ties = r.get("near_ties")
     if ties:
         rows = [[w, t["positions"], t["flips"], t["flip_rate"], t["last_position_flips"], t["max_abs_logit_diff"],
@@ -141,7 +145,8 @@ def markdown(r: dict) -> str:
     if modeled:
         lines += ["## Modeled speculative speedup over graphed target-only", "",
                   "E[tokens/pass] × t_target ÷ (k·t_draft + t_verify(k+1) + t_accept), graphed times, "
-                  "t_accept = the sampling accept kernel.", ""]
+                  "t_accept = the race kernel over the k + 1 positions (the engine's default) where timed, else the "
+                  "fused accept kernel.", ""]
         for name, m in modeled.items():
             alphas = sorted({v["alpha"] for v in m["table"].values()})
             ks = sorted({v["k"] for v in m["table"].values()})

@@ -415,17 +415,19 @@ def test_triton_noise_matches_reference(interpreted, V, mode):
 
 
 @needs_triton
+@pytest.mark.parametrize("split", [True, False], ids=["split", "row"])
 @pytest.mark.parametrize("N,V,dtype,mode", TRITON_RACE_CASES)
-def test_triton_race_matches_reference(interpreted, N, V, dtype, mode):
+def test_triton_race_matches_reference(interpreted, N, V, dtype, mode, split):
     ids = None if mode == "arange" else noise_ids(V, "mapped", N)
     args = race_inputs(N, V, DTYPES[dtype], seed=N + V, greedy_every=2 if V > 1000 else 4, ids=ids)
-    assert torch.equal(interpreted.race_sample_triton(*args), S.race_sample(*args))
+    assert torch.equal(interpreted.race_sample_triton(*args, split=split), S.race_sample(*args))
 
 
 @needs_triton
+@pytest.mark.parametrize("split", [True, False], ids=["split", "row"])
 @pytest.mark.parametrize("name,args", RACE_EDGE_CASES, ids=[c[0] for c in RACE_EDGE_CASES])
-def test_triton_race_edge_cases(interpreted, name, args):
-    assert torch.equal(interpreted.race_sample_triton(*args), S.race_sample(*args))
+def test_triton_race_edge_cases(interpreted, name, args, split):
+    assert torch.equal(interpreted.race_sample_triton(*args, split=split, chunk_size=16), S.race_sample(*args))
 
 
 @needs_triton
@@ -433,9 +435,32 @@ def test_triton_race_does_not_depend_on_tiling(interpreted):
     args = race_inputs(5, 100, seed=6, ids=noise_ids(100, "mapped"))
     expected = S.race_sample(*args)
     for block in (16, 64):
-        assert torch.equal(interpreted.race_sample_triton(*args, block_size=block), expected)
+        assert torch.equal(interpreted.race_sample_triton(*args, block_size=block, split=False), expected)
+    for chunk, block in ((16, 16), (32, 64), (128, 32)):  # chunks of a row, one past its end
+        assert torch.equal(interpreted.race_sample_triton(*args, chunk_size=chunk, block_size=block), expected)
     row = args[0][2:3].expand(5, 100)
     assert torch.equal(interpreted.race_sample_triton(row, *args[1:]), S.race_sample(row, *args[1:]))
+
+
+@needs_triton
+def test_triton_split_race_at_the_gpu_chunk_size(interpreted):
+    args = race_inputs(3, 51866, torch.float16, seed=8, greedy_every=3, ids=noise_ids(51866, "mapped"))
+    assert torch.equal(interpreted.race_sample_triton(*args, chunk_size=1024), S.race_sample(*args))
+
+
+@needs_triton
+def test_triton_split_race_ties_pick_the_first_chunk(interpreted):
+    """Greedy rows with equal maxima in three chunks take the lowest index, as the reference does;
+    sampled rows over the same logits (top-p too) equal the reference."""
+    logits = torch.full((4, 64), -3.0)
+    logits[:, [5, 21, 40]] = 2.0  # chunks 0, 1 and 2 of 16 each hold a maximum
+    temperature = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.3])
+    seeds, positions = noise_keys(4, 3)
+    args = (logits, temperature, top_p, seeds, positions, None)
+    expected = S.race_sample(*args)
+    assert expected[:2].tolist() == [5, 5]
+    assert torch.equal(interpreted.race_sample_triton(*args, chunk_size=16), expected)
 
 
 def test_dispatched_race_on_cpu():
@@ -488,7 +513,12 @@ def test_triton_race_on_cuda_matches_reference(N, V, dtype):
     assert ops.which_backend("cuda") == "triton"
     args = race_inputs(N, V, DTYPES[dtype], seed=N + V, ids=noise_ids(V, "mapped"))
     cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    assert torch.equal(ops.race_sample(*cuda_args).cpu(), S.race_sample(*args))
+    expected = S.race_sample(*args)
+    assert torch.equal(ops.race_sample(*cuda_args).cpu(), expected)  # the chunked kernel (default)
+    kernels = ops.triton_kernels()
+    assert torch.equal(kernels.race_sample_triton(*cuda_args, split=False).cpu(), expected)
+    for chunk in (256, 4096):
+        assert torch.equal(kernels.race_sample_triton(*cuda_args, chunk_size=chunk).cpu(), expected)
     seeds, positions = noise_keys(N)
     got = ops.exp_noise(seeds.cuda(), positions.cuda(), torch.arange(V).cuda())
     assert torch.equal(got.cpu(), S.exp_noise(seeds, positions, torch.arange(V)))
