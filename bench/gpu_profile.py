@@ -1,6 +1,7 @@
 """Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy: the CUDA
 kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step beside it,
-the graphed step with each set of torch's attention kernels,
+the graphed step with each set of torch's attention kernels, one layer's linears as torch's ops
+against the fused decode linear (kernels/decode_linear.py),
 the same step compiled by torch.compile (inductor; cudagraphs only from `StepGraphs`) then captured by
 `StepGraphs`, and the race-sampling kernel the engine's sampled verify runs.
 
@@ -53,6 +54,54 @@ def kernel_profile(step, device, steps: int = 5) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:18]
     return dict(kernels_per_step=count / steps, kernel_us_per_step=total / steps,
                 top=[dict(name=n, us_per_step=round(t, 1)) for n, t in top])
+
+
+def decode_linear_section(device, dtype, clock) -> dict:
+    from specwhisper.backends.ops import _import_kernels
+
+    kernel = _import_kernels("decode_linear")
+    import torch.nn.functional as F
+
+    d, ffn = 1280, 5120
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: (torch.randn(*shape, device=device, generator=g) * 0.02).to(dtype)  # noqa: E731
+    W = dict(qkv=rand(3 * d, d), out=rand(d, d), q=rand(d, d), xout=rand(d, d), fc1=rand(ffn, d), fc2=rand(d, ffn))
+    B = {name: rand(w.shape[0]) for name, w in W.items()}
+    LN = [(1 + rand(d), rand(d), 1e-5) for _ in range(3)]
+    result = {}
+    for rows in (1, 5):
+        x = rand(rows, d)
+
+        def torch_layer():
+            h = F.linear(F.layer_norm(x, (d,), *LN[0]), W["qkv"], B["qkv"])
+            y = x + F.linear(h[:, :d], W["out"], B["out"])
+            q = F.linear(F.layer_norm(y, (d,), *LN[1]), W["q"], B["q"])
+            y = y + F.linear(q, W["xout"], B["xout"])
+            f = F.gelu(F.linear(F.layer_norm(y, (d,), *LN[2]), W["fc1"], B["fc1"]))
+            return y + F.linear(f, W["fc2"], B["fc2"])
+
+        def fused_layer(block_n=32, block_k=128):
+            lin = lambda *a, **kw: kernel.decode_linear(*a, block_n=block_n, block_k=block_k, **kw)  # noqa: E731
+            h = lin(x, W["qkv"], B["qkv"], layer_norm=LN[0])
+            y = lin(h[:, :d].contiguous(), W["out"], B["out"], residual=x)
+            q = lin(y, W["q"], B["q"], layer_norm=LN[1])
+            y = lin(q, W["xout"], B["xout"], residual=y)
+            f = lin(y, W["fc1"], B["fc1"], layer_norm=LN[2], gelu=True)
+            return lin(f, W["fc2"], B["fc2"], residual=y)
+
+        timed = {}
+        graphs = StepGraphs(True, device)
+        timed["torch"] = clock(lambda: graphs.run(("torch", rows), torch_layer)) * 1e6
+        for block_n, block_k in ((32, 128), (16, 128), (64, 128), (32, 64), (32, 256)):
+            fn = lambda bn=block_n, bk=block_k: fused_layer(bn, bk)  # noqa: E731
+            try:
+                timed[f"fused n{block_n} k{block_k}"] = clock(lambda: graphs.run(("fused", rows, block_n, block_k), fn)) * 1e6
+            except Exception as exc:
+                timed[f"fused n{block_n} k{block_k}"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        weights = sum(w.numel() * w.element_size() for w in W.values())
+        result[f"rows={rows}"] = dict(us_per_layer=timed, weight_bytes=weights)
+        print(f"decode_linear, one layer's linears, {rows} rows (us, graphed): {timed}", flush=True)
+    return result
 
 
 def main(argv=None) -> None:
@@ -118,6 +167,12 @@ def main(argv=None) -> None:
                     attention[f"width {w}: {name}"] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
                 print(f"attention width {w} {name}: {attention[f'width {w}: {name}']}", flush=True)
         out["attention"] = attention
+        save()
+
+    # the fused decode linear (kernels/decode_linear.py) against torch's ops for one large-v3 layer's
+    # six linears with their layer norms, GELU and residual adds, graphed, 1 and 5 rows
+    if device.type == "cuda" and dtype != torch.float32:
+        out["decode_linear"] = decode_linear_section(device, dtype, clock)
         save()
 
     # the race kernel of a sampled verify: B x (k+1) rows of the vocabulary

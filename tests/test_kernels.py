@@ -12,20 +12,18 @@ if not torch.cuda.is_available():
     # the CUDA tests need compiled kernels; the CPU cases load an interpreted copy below.)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import contextlib
 import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
 from specwhisper import sampling as S
 from specwhisper.backends import ops
+from triton_interp import Interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "spec_sample.py"
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -52,59 +50,10 @@ def assert_same(got, expected):
     assert torch.equal(tokens.cpu(), ref_tokens.cpu()), (tokens, ref_tokens)
 
 
-@contextlib.contextmanager
-def _interpreted_stdlib():
-    """Triton's own @jit helpers (tl.max, tl.sum, ...) as interpreted functions. They were built
-    when Triton was first imported: if that happened before TRITON_INTERPRET was set (torch._dynamo
-    imports Triton, e.g. via transformers in another test module), they are compiled-mode objects
-    the interpreter cannot call. Patched only for the duration of a call, so CUDA tests in the same
-    session still compile the real ones."""
-    import triton.language as tl
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
-             if isinstance(obj, JITFunction)]
-    for ns, name, obj in saved:
-        setattr(ns, name, InterpretedFunction(obj.fn))
-    try:
-        yield
-    finally:
-        for ns, name, obj in saved:
-            setattr(ns, name, obj)
-
-
-class _Interpreted:
-    """kernels/spec_sample.py loaded afresh with TRITON_INTERPRET=1: runs on CPU tensors."""
-
-    def __init__(self):
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit decorators run
-        try:
-            spec = importlib.util.spec_from_file_location("spec_sample_interpreted", KERNEL_SOURCE)
-            self.module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(self.module)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-
-    def __getattr__(self, name):
-        launcher = getattr(self.module, name)
-
-        def call(*args, **kwargs):
-            with _interpreted_stdlib():
-                return launcher(*args, **kwargs)
-
-        return call
-
-
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton", reason="triton is not importable")
-    return _Interpreted()
+    return Interpreted()
 
 
 # --- Triton kernel, interpreted ------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""Triton kernels run on CPU tensors: a kernel source loaded afresh with TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports Triton: without a GPU its kernels run in the interpreter. (With a GPU
+    # the CUDA tests need compiled kernels; the CPU cases load an interpreted copy, `Interpreted`.)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+@contextlib.contextmanager
+def interpreted_stdlib():
+    """Triton's own @jit helpers (tl.max, tl.sum, ...) as interpreted functions. They were built
+    when Triton was first imported: if that happened before TRITON_INTERPRET was set (torch._dynamo
+    imports Triton, e.g. via transformers in another test module), they are compiled-mode objects
+    the interpreter cannot call. Patched only for the duration of a call, so CUDA tests in the same
+    session still compile the real ones."""
+    import triton.language as tl
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
+             if isinstance(obj, JITFunction)]
+    for ns, name, obj in saved:
+        setattr(ns, name, InterpretedFunction(obj.fn))
+    try:
+        yield
+    finally:
+        for ns, name, obj in saved:
+            setattr(ns, name, obj)
+
+
+class Interpreted:
+    """kernels/<name>.py loaded afresh with TRITON_INTERPRET=1: runs on CPU tensors."""
+
+    def __init__(self, name: str = "spec_sample"):
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit decorators run
+        try:
+            spec = importlib.util.spec_from_file_location(f"{name}_interpreted", KERNELS / f"{name}.py")
+            self.module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(self.module)
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+
+    def __getattr__(self, name):
+        launcher = getattr(self.module, name)
+
+        def call(*args, **kwargs):
+            with interpreted_stdlib():
+                return launcher(*args, **kwargs)
+
+        return call
