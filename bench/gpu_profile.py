@@ -1,14 +1,15 @@
-"""Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy: the CUDA
-kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step beside it,
-the graphed step with each set of torch's attention kernels, one layer's linears as torch's ops
-against the fused decode linear (kernels/decode_linear.py),
-the same step compiled by torch.compile (inductor; cudagraphs only from `StepGraphs`) then captured by
-`StepGraphs`, and the race-sampling kernel the engine's sampled verify runs.
+"""Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy:
+- the CUDA kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step;
+- the graphed step with the decoder's linears fused (`Whisper.fuse_linears`, kernels/decode_linear.py);
+- the graphed step with each set of torch's attention kernels;
+- one layer's six linears as torch's ops against the fused decode linear at several tilings;
+- the race-sampling kernel (chunked and one program per row) the engine's sampled steps run;
+- the step compiled by torch.compile (inductor; cudagraphs only from `StepGraphs`), then captured.
 
     python bench/gpu_profile.py --models DIR --out OUT_DIR [--widths 1 5] [--no-compile]
     python bench/gpu_profile.py --models DIR --out OUT_DIR --device cpu --quick   # smoke test
 
-Writes profile.json and prints a summary. Random weights from bench/gpu_models.py.
+Writes profile.json after each part and prints a summary. Random weights from bench/gpu_models.py.
 """
 from __future__ import annotations
 
@@ -141,6 +142,26 @@ def main(argv=None) -> None:
               "of kernel time per step", flush=True)
         for t in row["profile"]["top"][:12]:
             print(f"   {t['us_per_step']:8.1f} us  {t['name']}", flush=True)
+        save()
+
+    # the whole step with the decoder's linears fused (Whisper.fuse_linears): time, kernels, argmax
+    if device.type == "cuda":
+        fused = {}
+        for w in args.widths:
+            step = StaticStep(target, cache, w)
+            reference = step().clone()
+            target.model.fuse_linears()
+            try:
+                graphs = StepGraphs(True, device)
+                fused[w] = dict(graphed_ms=clock(lambda: graphs.run(("fused", w), step)) * 1e3,
+                                same_argmax=bool(torch.equal(step(), reference)))
+                fused[w]["kernels_per_step"] = kernel_profile(step, device)["kernels_per_step"]
+            except Exception as exc:
+                fused[w] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                target.model.decoder.fused_linears = None
+            print(f"fused linears, width {w}: {fused[w]}", flush=True)
+        out["fused_linears_step"] = fused
         save()
 
     # attention: which of torch's SDPA kernels serves the decode step's shapes best (cuDNN's is

@@ -11,6 +11,7 @@
 # one failing stage does not stop the next. Exit status: 0 only if every stage passed.
 #
 #   bash bench/gpu_suite.sh OUT_DIR            # on the GPU machine
+#   GPU_SUITE_PROFILE=1 bash bench/gpu_suite.sh OUT_DIR   # ... with bench/gpu_profile.py too
 #   bash bench/gpu_suite.sh OUT_DIR --quick    # CPU smoke run (no install, toy sizes): what CI runs
 set -uo pipefail
 OUT=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [--quick]}
@@ -54,6 +55,11 @@ fi
 
 stage models 120 "$PY" bench/gpu_models.py "$OUT/models" "${MODEL_FLAGS[@]}"
 stage pytest 200 "$PY" -m pytest -m cuda -v -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT/junit-cuda.xml" "${TESTS[@]}"
+# GPU_SUITE_PROFILE=1: also bench/gpu_profile.py (fused linears, attention kernels, race kernels;
+# no torch.compile) into OUT_DIR/profile.json, before the benchmark
+if [ "${GPU_SUITE_PROFILE:-0}" = "1" ] && [ "$QUICK" != "--quick" ]; then
+  stage profile 150 "$PY" bench/gpu_profile.py --models "$OUT/models" --out "$OUT" --no-compile
+fi
 # the benchmark skips its later sections when its own budget runs out, so it ends before the timeout
 bench_left=$(( $(left) - 10 ))
 stage bench "$bench_left" "$PY" bench/gpu.py --out "$OUT" --models "$OUT/models" \

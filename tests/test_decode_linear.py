@@ -109,3 +109,68 @@ def test_cuda_rows_are_independent_and_match_reference(name, dtype):
     other = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     other[0][1:] = torch.randn_like(other[0][1:])  # other rows' values change, row 0's bits do not
     assert torch.equal(call(kernel.decode_linear, other, opts)[0], full[0])
+
+
+# --- the decoder with its linears fused (Whisper.fuse_linears) ------------------------------------
+
+def decoder_pair(folder, device, dtype, kernel):
+    """(plain, fused) loaded models of one checkpoint and a filled cache for each."""
+    from specwhisper.engine.decoding import LoadedModel
+    from specwhisper.model.whisper import DecoderCache
+
+    plain, fused = (LoadedModel.load(folder, torch.device(device), dtype) for _ in range(2))
+    fused.model.fuse_linears(kernel)
+    cfg = plain.config
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(2, cfg.max_source_positions, cfg.d_model, generator=g).to(device, dtype)
+    caches = []
+    for m in (plain, fused):
+        cache = DecoderCache.allocate(cfg, 2, torch.device(device), dtype)
+        m.model.decoder.fill_cross(cache, features)
+        caches.append(cache)
+    return plain, fused, caches
+
+
+@needs_triton
+def test_interpreted_fused_decoder_matches_the_plain_one(interpreted, tmp_path):
+    """A random checkpoint's decoder, prefill then a 3-token verify-shaped pass: the fused layers'
+    hidden states and argmax equal the plain layers' to float rounding (float32)."""
+    from checkpoints import make_checkpoint
+
+    class Counting:  # the fused layers must run the kernel: six linears per layer and pass
+        calls = 0
+
+        def decode_linear(self, *args, **kwargs):
+            Counting.calls += 1
+            return interpreted.decode_linear(*args, **kwargs)
+
+    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=64, decoder_layers=2, heads=4)
+    plain, fused, (c_plain, c_fused) = decoder_pair(folder, "cpu", torch.float32, Counting())
+    tokens = torch.tensor([[50258, 50259, 50359, 50363], [50258, 50259, 50359, 50363]])
+    more = torch.randint(0, 50000, (2, 3), generator=torch.Generator().manual_seed(2))
+    for toks, start in ((tokens, 0), (more, 4)):
+        pos = (start + torch.arange(toks.shape[1])).expand(2, -1).contiguous()
+        h_plain = plain.model.decoder.hidden(toks, pos, c_plain)
+        h_fused = fused.model.decoder.hidden(toks, pos, c_fused)
+        torch.testing.assert_close(h_fused, h_plain, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c_fused.self_k, c_plain.self_k, rtol=1e-4, atol=1e-4)
+    assert Counting.calls == 6 * 2 * 2
+    logits = lambda m, h: m.model.decoder.logits(h)  # noqa: E731
+    assert torch.equal(logits(fused, h_fused).argmax(-1), logits(plain, h_plain).argmax(-1))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_fused_decoder_matches_the_plain_one(tmp_path, dtype):
+    from checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=256, decoder_layers=2, heads=4)
+    plain, fused, (c_plain, c_fused) = decoder_pair(folder, "cuda", dtype, None)
+    toks = torch.randint(0, 50000, (2, 5), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    pos = torch.arange(5, device="cuda").expand(2, -1).contiguous()
+    h_plain = plain.model.decoder.hidden(toks, pos, c_plain)
+    h_fused = fused.model.decoder.hidden(toks, pos, c_fused)
+    tol = TOLERANCE[dtype] * 2
+    torch.testing.assert_close(h_fused.float(), h_plain.float(), rtol=tol, atol=tol)
