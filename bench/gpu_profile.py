@@ -1,6 +1,6 @@
 """Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy:
 - the CUDA kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step;
-- the graphed step with the decoder's linears fused (`Whisper.fuse_linears`, kernels/decode_linear.py);
+- the graphed step on the GPU decode ops (`Whisper.fuse_decode_ops`, kernels/decode_ops.py);
 - the graphed step with each set of torch's attention kernels;
 - one layer's six linears as torch's ops against the fused decode linear at several tilings;
 - the race-sampling kernel (chunked and one program per row) the engine's sampled steps run;
@@ -60,7 +60,7 @@ def kernel_profile(step, device, steps: int = 5) -> dict:
 def decode_linear_section(device, dtype, clock) -> dict:
     from specwhisper.backends.ops import _import_kernels
 
-    kernel = _import_kernels("decode_linear")
+    kernel = _import_kernels("decode_ops")
     import torch.nn.functional as F
 
     d, ffn = 1280, 5120
@@ -144,13 +144,13 @@ def main(argv=None) -> None:
             print(f"   {t['us_per_step']:8.1f} us  {t['name']}", flush=True)
         save()
 
-    # the whole step with the decoder's linears fused (Whisper.fuse_linears): time, kernels, argmax
+    # the whole step on the GPU decode ops (Whisper.fuse_decode_ops): time, kernels, argmax
     if device.type == "cuda":
         fused = {}
         for w in args.widths:
             step = StaticStep(target, cache, w)
             reference = step().clone()
-            target.model.fuse_linears()
+            target.model.fuse_decode_ops()
             try:
                 graphs = StepGraphs(True, device)
                 fused[w] = dict(graphed_ms=clock(lambda: graphs.run(("fused", w), step)) * 1e3,
@@ -159,9 +159,9 @@ def main(argv=None) -> None:
             except Exception as exc:
                 fused[w] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
             finally:
-                target.model.decoder.fused_linears = None
-            print(f"fused linears, width {w}: {fused[w]}", flush=True)
-        out["fused_linears_step"] = fused
+                target.model.decoder.fused_ops = None
+            print(f"decode ops (Whisper.fuse_decode_ops), width {w}: {fused[w]}", flush=True)
+        out["fused_ops_step"] = fused
         save()
 
     # attention: which of torch's SDPA kernels serves the decode step's shapes best (cuDNN's is
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
         out["attention"] = attention
         save()
 
-    # the fused decode linear (kernels/decode_linear.py) against torch's ops for one large-v3 layer's
+    # the fused decode linear (kernels/decode_ops.py) against torch's ops for one large-v3 layer's
     # six linears with their layer norms, GELU and residual adds, graphed, 1 and 5 rows
     if device.type == "cuda" and dtype != torch.float32:
         out["decode_linear"] = decode_linear_section(device, dtype, clock)

@@ -189,26 +189,26 @@ class DecoderLayer(nn.Module):
         x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), cross_k, cross_v)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
-    def forward_fused(self, x, input_pos, mask, self_k, self_v, cross_k, cross_v, kernel):
-        """`forward` with the six linears run by `kernel.decode_linear` (kernels/decode_linear.py),
-        their layer norms, GELU and residual adds fused into them: the same results to float
-        rounding, in about half the GPU kernels. The self-attention's q/k/v must be fused."""
+    def forward_fused(self, x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel):
+        """`forward` on `kernel`'s GPU decode ops (kernels/decode_ops.py): the six linears with their
+        layer norms, GELU and residual adds fused, and both attentions, each reading the first
+        n_self / n_cross [B, T] slots: the same results to float rounding in half the kernels, each
+        row's and query's bits independent of the others. The self-attention's q/k/v must be fused."""
         sa, ca = self.self_attn, self.encoder_attn
         B, T, d = x.shape
         ln = lambda m: (m.weight, m.bias, m.eps)  # noqa: E731
-        flat = lambda t: t.transpose(1, 2).reshape(B * T, d)  # [B, H, T, Dh] -> [B * T, d]  # noqa: E731
+        scale = sa.head_dim**-0.5
         x = x.reshape(B * T, d)
         qkv = kernel.decode_linear(x, sa.fused_weight, sa.fused_bias, layer_norm=ln(self.self_attn_layer_norm))
         q, k, v = (sa.heads(t) for t in qkv.view(B, T, 3 * d).chunk(3, dim=-1))
-        index = input_pos[:, None, :, None].expand_as(k)
+        index = write_pos[:, None, :, None].expand_as(k)
         self_k.scatter_(2, index, k)
         self_v.scatter_(2, index, v)
-        scale = sa.head_dim**-0.5
-        a = F.scaled_dot_product_attention(q * scale, self_k, self_v, attn_mask=mask, scale=1.0)
-        x = kernel.decode_linear(flat(a), sa.out_proj.weight, sa.out_proj.bias, residual=x)
+        a = kernel.decode_attention(q, self_k, self_v, n_self, scale)
+        x = kernel.decode_linear(a.view(B * T, d), sa.out_proj.weight, sa.out_proj.bias, residual=x)
         q = kernel.decode_linear(x, ca.q_proj.weight, ca.q_proj.bias, layer_norm=ln(self.encoder_attn_layer_norm))
-        a = F.scaled_dot_product_attention(ca.heads(q.view(B, T, d)) * scale, cross_k, cross_v, scale=1.0)
-        x = kernel.decode_linear(flat(a), ca.out_proj.weight, ca.out_proj.bias, residual=x)
+        a = kernel.decode_attention(ca.heads(q.view(B, T, d)), cross_k, cross_v, n_cross, scale)
+        x = kernel.decode_linear(a.view(B * T, d), ca.out_proj.weight, ca.out_proj.bias, residual=x)
         h = kernel.decode_linear(x, self.fc1.weight, self.fc1.bias, layer_norm=ln(self.final_layer_norm), gelu=True)
         return kernel.decode_linear(h, self.fc2.weight, self.fc2.bias, residual=x).view(B, T, d)
 
@@ -299,7 +299,7 @@ class Decoder(nn.Module):
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
         rows = (cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b])
         layers = zip(self.layers, *rows)
-        if cpu_ops.active(x) and self.fused_linears is None \
+        if cpu_ops.active(x) and self.fused_ops is None \
                 and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
             # a query reads real slots up to its position, never the scratch slot
             n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
@@ -312,19 +312,22 @@ class Decoder(nn.Module):
             for layer, self_k, self_v, cross_k, cross_v in layers:
                 x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
             return self.layer_norm(x)
+        kernel = self.fused_ops
+        if kernel is not None:  # the GPU decode ops (`Whisper.fuse_decode_ops`)
+            n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).contiguous()  # slots 0..position
+            n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
+            for layer, self_k, self_v, cross_k, cross_v in layers:
+                x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
+            return self.layer_norm(x)
         slots = torch.arange(s, device=tokens.device)
         mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
-        kernel = self.fused_linears
         for layer, self_k, self_v, cross_k, cross_v in layers:
-            if kernel is not None:
-                x = layer.forward_fused(x, write_pos, mask, self_k, self_v, cross_k, cross_v, kernel)
-            else:
-                x = layer(x, write_pos, mask, self_k, self_v, cross_k, cross_v)
+            x = layer(x, write_pos, mask, self_k, self_v, cross_k, cross_v)
         return self.layer_norm(x)
 
     fused_step = True  # False: run the layers one `forward_rows` call at a time (the spec)
-    # the module whose `decode_linear` runs the layers' linears (`Whisper.fuse_linears`), or None
-    fused_linears = None
+    # the module whose `decode_linear` / `decode_attention` run the layers (`Whisper.fuse_decode_ops`)
+    fused_ops = None
     compact = False  # projections in bfloat16 (`Whisper.compact_decoder`)
     native_bf16 = False  # a compact decoder's cross K/V from torch's bfloat16 GEMM (`compact_decoder`)
     int8 = False  # the C++ step reads int8 copies of the projections (`Whisper.int8_projections`)
@@ -379,18 +382,19 @@ class Whisper(nn.Module):
             layer.self_attn.fuse(("q", "k", "v"))
         self.decoder.forget_layer_params()
 
-    def fuse_linears(self, kernel=None) -> None:
-        """Run the decoder's linears with their layer norms, GELU and residual adds fused
-        (kernels/decode_linear.py; `kernel`: that module, by default this checkout's, compiled by
-        Triton). Experimental, for the GPU (bench/gpu_profile.py times it); not on the CPU's
-        C++ path, which fuses its own. Fuses q/k/v first."""
+    def fuse_decode_ops(self, kernel=None) -> None:
+        """Run the decoder's layers on the GPU decode ops (kernels/decode_ops.py; `kernel`: that
+        module, by default this checkout's, compiled by Triton): linears with their layer norms,
+        GELU and residual adds fused, and chunked attention, each row's bits independent of the
+        others. Experimental, for the GPU (bench/gpu_profile.py times it); the CPU's C++ path
+        fuses its own. Fuses q/k/v first."""
         if getattr(self.decoder.layers[0].self_attn, "fused_names", None) != ("q", "k", "v"):
             self.fuse()
         if kernel is None:
             from ..backends.ops import _import_kernels
 
-            kernel = _import_kernels("decode_linear")
-        self.decoder.fused_linears = kernel
+            kernel = _import_kernels("decode_ops")
+        self.decoder.fused_ops = kernel
 
     def compact_decoder(self) -> None:
         """Store the decoder blocks' projection weights in bfloat16 (half the bytes a step reads),

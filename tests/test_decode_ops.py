@@ -1,4 +1,4 @@
-"""kernels/decode_linear.py: the fused decode linear (layer norm, bias, GELU, residual) against its
+"""kernels/decode_ops.py: the fused decode linear (layer norm, bias, GELU, residual) against its
 PyTorch reference over odd shapes and every option (interpreted on CPU tensors), and on CUDA at
 large-v3's shapes, where each row's bits must not depend on the other rows or their number."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton", reason="triton is not importable")
-    return Interpreted("decode_linear")
+    return Interpreted("decode_ops")
 
 
 def inputs(M, K, N, dtype, seed=0, device="cpu"):
@@ -95,7 +95,7 @@ def test_cuda_rows_are_independent_and_match_reference(name, dtype):
     from specwhisper.backends import ops  # noqa: F401 (the compiled kernels' import path)
     from specwhisper.backends.ops import _import_kernels
 
-    kernel = _import_kernels("decode_linear")
+    kernel = _import_kernels("decode_ops")
 
     K, N, opts = LARGE_V3[name]
     args = inputs(40, K, N, DTYPES[dtype], seed=K + N, device="cuda")
@@ -111,7 +111,7 @@ def test_cuda_rows_are_independent_and_match_reference(name, dtype):
     assert torch.equal(call(kernel.decode_linear, other, opts)[0], full[0])
 
 
-# --- the decoder with its linears fused (Whisper.fuse_linears) ------------------------------------
+# --- the decoder on the GPU decode ops (Whisper.fuse_decode_ops) ------------------------------------
 
 def decoder_pair(folder, device, dtype, kernel):
     """(plain, fused) loaded models of one checkpoint and a filled cache for each."""
@@ -119,7 +119,7 @@ def decoder_pair(folder, device, dtype, kernel):
     from specwhisper.model.whisper import DecoderCache
 
     plain, fused = (LoadedModel.load(folder, torch.device(device), dtype) for _ in range(2))
-    fused.model.fuse_linears(kernel)
+    fused.model.fuse_decode_ops(kernel)
     cfg = plain.config
     g = torch.Generator().manual_seed(1)
     features = torch.randn(2, cfg.max_source_positions, cfg.d_model, generator=g).to(device, dtype)
@@ -137,12 +137,16 @@ def test_interpreted_fused_decoder_matches_the_plain_one(interpreted, tmp_path):
     hidden states and argmax equal the plain layers' to float rounding (float32)."""
     from checkpoints import make_checkpoint
 
-    class Counting:  # the fused layers must run the kernel: six linears per layer and pass
+    class Counting:  # the fused layers must run the kernels: 6 linears and 2 attentions a layer
         calls = 0
 
         def decode_linear(self, *args, **kwargs):
             Counting.calls += 1
             return interpreted.decode_linear(*args, **kwargs)
+
+        def decode_attention(self, *args, **kwargs):
+            Counting.calls += 1
+            return interpreted.decode_attention(*args, **kwargs)
 
     folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=64, decoder_layers=2, heads=4)
     plain, fused, (c_plain, c_fused) = decoder_pair(folder, "cpu", torch.float32, Counting())
@@ -154,9 +158,53 @@ def test_interpreted_fused_decoder_matches_the_plain_one(interpreted, tmp_path):
         h_fused = fused.model.decoder.hidden(toks, pos, c_fused)
         torch.testing.assert_close(h_fused, h_plain, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(c_fused.self_k, c_plain.self_k, rtol=1e-4, atol=1e-4)
-    assert Counting.calls == 6 * 2 * 2
+    assert Counting.calls == 8 * 2 * 2
     logits = lambda m, h: m.model.decoder.logits(h)  # noqa: E731
     assert torch.equal(logits(fused, h_fused).argmax(-1), logits(plain, h_plain).argmax(-1))
+
+
+def verify_equals_single_steps(model, cache, first, tokens):
+    """hidden of tokens [B, T] in one pass at positions first.. vs T one-token passes from a copy of
+    the cache: (one pass, the steps), for a bitwise comparison."""
+    from specwhisper.model.whisper import DecoderCache
+
+    B, T = tokens.shape
+    copy = DecoderCache(*(t.clone() for t in cache.buffers()))
+    pos = (first + torch.arange(T, device=tokens.device)).expand(B, T).contiguous()
+    one_pass = model.model.decoder.hidden(tokens, pos, cache)
+    steps = torch.cat([model.model.decoder.hidden(tokens[:, t:t + 1], pos[:, t:t + 1].contiguous(), copy)
+                       for t in range(T)], 1)
+    return one_pass, steps
+
+
+@needs_triton
+def test_interpreted_fused_decoder_verify_pass_equals_single_steps(interpreted, tmp_path):
+    """Rows and queries independent: a 5-token pass gives each token the bits of 5 one-token steps
+    (the property that makes speculative decoding exact in half precision on the GPU)."""
+    from checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=64, decoder_layers=2, heads=4)
+    _, fused, (_, cache) = decoder_pair(folder, "cpu", torch.float32, interpreted)
+    prompt = torch.tensor([[50258, 50259, 50359, 50363]] * 2)
+    fused.model.decoder.hidden(prompt, torch.arange(4).expand(2, 4).contiguous(), cache)
+    one_pass, steps = verify_equals_single_steps(fused, cache, 4, torch.randint(0, 50000, (2, 5)))
+    assert torch.equal(one_pass, steps)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_fused_decoder_verify_pass_equals_single_steps(tmp_path, dtype):
+    from checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=256, decoder_layers=2, heads=4)
+    _, fused, (_, cache) = decoder_pair(folder, "cuda", dtype, None)
+    prompt = torch.tensor([[50258, 50259, 50359, 50363]] * 2, device="cuda")
+    fused.model.decoder.hidden(prompt, torch.arange(4, device="cuda").expand(2, 4).contiguous(), cache)
+    tokens = torch.randint(0, 50000, (2, 5), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    one_pass, steps = verify_equals_single_steps(fused, cache, 4, tokens)
+    assert torch.equal(one_pass, steps)
 
 
 @pytest.mark.cuda
@@ -174,3 +222,74 @@ def test_cuda_fused_decoder_matches_the_plain_one(tmp_path, dtype):
     h_fused = fused.model.decoder.hidden(toks, pos, c_fused)
     tol = TOLERANCE[dtype] * 2
     torch.testing.assert_close(h_fused.float(), h_plain.float(), rtol=tol, atol=tol)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+def attention_inputs(B, H, T, S, Dh, dtype, seed=0, device="cpu", full=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, Dh, generator=g) * Dh**-0.5 * 3
+    k, v = torch.randn(B, H, S, Dh, generator=g), torch.randn(B, H, S, Dh, generator=g)
+    n = torch.full((B, T), S) if full else torch.randint(1, S + 1, (B, T), generator=g)
+    if not full:
+        n[0, 0] = 1  # one slot only
+        n[-1, -1] = S  # every slot
+    to = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return to(q), to(k), to(v), n.to(device)
+
+
+@needs_triton
+@pytest.mark.parametrize("B,H,T,S,Dh,dtype", [(1, 2, 1, 7, 16, "fp32"), (2, 3, 5, 100, 32, "fp16"),
+                                              (2, 2, 17, 130, 64, "fp32"), (1, 4, 3, 449, 64, "fp16")])
+def test_interpreted_attention_matches_reference(interpreted, B, H, T, S, Dh, dtype):
+    q, k, v, n = attention_inputs(B, H, T, S, Dh, DTYPES[dtype], seed=B + T + S)
+    got = interpreted.decode_attention(q, k, v, n)
+    expected = interpreted.module.decode_attention_reference(q, k, v, n)
+    assert got.shape == (B, T, H * Dh) and got.dtype == q.dtype
+    tol = TOLERANCE[DTYPES[dtype]]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@needs_triton
+def test_interpreted_attention_reference_is_masked_softmax_attention(interpreted):
+    """The reference itself, in float32, is torch's attention with the slots past n masked."""
+    q, k, v, n = attention_inputs(2, 3, 4, 50, 32, torch.float32, seed=4)
+    mask = torch.arange(50) < n[:, None, :, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    got = interpreted.module.decode_attention_reference(q, k, v, n)
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(2, 4, 96), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_interpreted_attention_ignores_slots_past_n(interpreted):
+    """Slots a query does not read (past n, a wider cache) change nothing, bit for bit."""
+    q, k, v, n = attention_inputs(2, 2, 3, 70, 32, torch.float16, seed=5)
+    n = n.clamp(max=60)
+    got = interpreted.decode_attention(q, k, v, n)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 60:], v2[:, :, 60:] = 100.0, -100.0
+    assert torch.equal(interpreted.decode_attention(q, k2, v2, n), got)
+    wide = [torch.cat([t, torch.randn_like(t)], 2) for t in (k, v)]  # 140 slots, 3 chunks
+    assert torch.equal(interpreted.decode_attention(q, *wide, n), got)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_cuda_attention_queries_are_independent_and_match_reference(dtype):
+    """large-v3's heads: 449 self slots with per-query lengths, 1500 audio frames; a query's bits
+    do not depend on the other queries, rows, or the cache's width."""
+    from specwhisper.backends.ops import _import_kernels
+
+    kernel = _import_kernels("decode_ops")
+    for S, full in ((449, False), (1500, True)):
+        q, k, v, n = attention_inputs(4, 20, 9, S, 64, DTYPES[dtype], seed=S, device="cuda", full=full)
+        got = kernel.decode_attention(q, k, v, n)
+        expected = kernel.decode_attention_reference(q, k, v, n)
+        tol = TOLERANCE[DTYPES[dtype]]
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+        one = kernel.decode_attention(q[1:2, :, 3:4], k[1:2], v[1:2], n[1:2, 3:4].contiguous())
+        assert torch.equal(one, got[1:2, 3:4])
+        five = kernel.decode_attention(q[2:3, :, 2:7], k[2:3], v[2:3], n[2:3, 2:7].contiguous())
+        assert torch.equal(five, got[2:3, 2:7])
