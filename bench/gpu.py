@@ -366,6 +366,10 @@ class Bench:
                    "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed, self.dtype, "target-only")}
         if graphed:
             systems["target-only eager"] = (None, None, False, self.dtype, "target-only")
+            # the Triton decode ops (Engine(decode_ops=True)): rows independent, so half precision
+            # is meant to be token-exact across pass shapes too
+            systems["target-only decode-ops"] = (None, None, graphed, self.dtype, "target-only decode-ops", True)
+            systems[f"self-draft k={k} decode-ops"] = (folder, k, graphed, self.dtype, "target-only decode-ops", True)
         if self.dtype != torch.float32:
             systems["target-only float32"] = (None, None, graphed, torch.float32, "target-only float32")
             systems[f"self-draft k={k} float32"] = (folder, k, graphed, torch.float32, "target-only float32")
@@ -376,30 +380,42 @@ class Bench:
         except ValueError as exc:
             out["tiny_draft"] = f"refused: {exc}"
         tokens_of = {}
-        for name, (draft, k_draft, cuda_graphs, dtype, reference) in systems.items():
-            engine = Engine(folder, draft=draft, device=self.device, dtype=dtype, cuda_graphs=cuda_graphs)
+        for name, (draft, k_draft, cuda_graphs, dtype, reference, *fused) in systems.items():
+            try:
+                engine = Engine(folder, draft=draft, device=self.device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                decode_ops=bool(fused))
+            except Exception as exc:  # an experimental system must not cost the others
+                out["systems"][name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                continue
             out["systems"][name] = {}
-            for batch in self.args.batch[:1] if self.args.quick else self.args.batch:
-                mel = torch.randn(batch, n_mels, 3000, generator=torch.Generator().manual_seed(batch))
-
-                def call(n, mel=mel, k_draft=k_draft):
-                    return engine.transcribe(mel, language="en", max_new_tokens=n, num_draft_tokens=k_draft)
-                call(N)  # warm-up
-                full, results = self.clock_call(lambda: call(N))
-                half, _ = self.clock_call(lambda: call(N // 2))
-                tokens = sum(len(r.tokens) for r in results)
-                tokens_of[(name, batch)] = [r.tokens for r in results]
-                stats = results[0].stats
-                out["systems"][name][batch] = dict(
-                    seconds=full, tokens=tokens, tokens_per_s=tokens / full,
-                    per_token_ms=(full - half) / (N - N // 2) * 1e3,
-                    acceptance=statistics.mean(r.stats.acceptance_rate for r in results),
-                    tokens_per_pass=stats.tokens_per_pass,
-                    same_tokens_as_target_only=tokens_of[(name, batch)] == tokens_of.get((reference, batch)),
-                    graph_keys=len(engine.runner.graphs.keys()) if engine.runner.graphs is not None else 0)
+            try:
+                self.e2e_rows(engine, name, reference, out["systems"][name], tokens_of, n_mels, N, k_draft)
+            except Exception as exc:  # an experimental system must not cost the others
+                out["systems"][name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
             del engine
             self.free_models()
         return out
+
+    def e2e_rows(self, engine, name, reference, rows, tokens_of, n_mels, N, k_draft) -> None:
+        """`e2e`'s timings of one system, per batch size, into `rows`."""
+        for batch in self.args.batch[:1] if self.args.quick else self.args.batch:
+            mel = torch.randn(batch, n_mels, 3000, generator=torch.Generator().manual_seed(batch))
+
+            def call(n, mel=mel, k_draft=k_draft):
+                return engine.transcribe(mel, language="en", max_new_tokens=n, num_draft_tokens=k_draft)
+            call(N)  # warm-up
+            full, results = self.clock_call(lambda: call(N))
+            half, _ = self.clock_call(lambda: call(N // 2))
+            tokens = sum(len(r.tokens) for r in results)
+            tokens_of[(name, batch)] = [r.tokens for r in results]
+            stats = results[0].stats
+            rows[batch] = dict(
+                seconds=full, tokens=tokens, tokens_per_s=tokens / full,
+                per_token_ms=(full - half) / (N - N // 2) * 1e3,
+                acceptance=statistics.mean(r.stats.acceptance_rate for r in results),
+                tokens_per_pass=stats.tokens_per_pass,
+                same_tokens_as_target_only=tokens_of[(name, batch)] == tokens_of.get((reference, batch)),
+                graph_keys=len(engine.runner.graphs.keys()) if engine.runner.graphs is not None else 0)
 
     def rtfx(self) -> dict:
         """Many concurrent long-form requests in one engine (continuous batching): audio seconds

@@ -129,12 +129,15 @@ def markdown(r: dict) -> str:
             ["mode", "B", "per token ms", "call s", "warm-up s"], rows) + [""]
     e2e = r.get("e2e")
     if e2e:
+        ok = {name: per for name, per in e2e["systems"].items() if "error" not in per}
         rows = [[name, b, t["tokens_per_s"], t["per_token_ms"], t["acceptance"], t["tokens_per_pass"],
-                 t["same_tokens_as_target_only"]] for name, per in e2e["systems"].items() for b, t in per.items()]
+                 t["same_tokens_as_target_only"]] for name, per in ok.items() for b, t in per.items()]
         lines += [f"## End to end: Engine.transcribe, {e2e['max_new_tokens']} new tokens per row", "",
                   f"tiny as a draft for large-v3: {e2e.get('tiny_draft')}", ""]
         lines += table(["system", "B", "tokens/s", "per token ms", "acceptance", "tokens/pass",
                         "= target-only"], rows) + [""]
+        lines += [f"- {name}: {per['error']}" for name, per in e2e["systems"].items() if "error" in per]
+        lines += [""] if len(ok) < len(e2e["systems"]) else []
     rtfx = r.get("rtfx")
     if rtfx:
         rows = [[name, t["rtfx"], t["wall_s"], t["tokens"], t["tokens_per_s"]] for name, t in rtfx["systems"].items()]

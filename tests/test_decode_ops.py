@@ -293,3 +293,39 @@ def test_cuda_attention_queries_are_independent_and_match_reference(dtype):
         assert torch.equal(one, got[1:2, 3:4])
         five = kernel.decode_attention(q[2:3, :, 2:7], k[2:3], v[2:3], n[2:3, 2:7].contiguous())
         assert torch.equal(five, got[2:3, 2:7])
+
+
+# --- the engine on the GPU decode ops (Engine(decode_ops=True)) ------------------------------------
+
+def test_engine_refuses_decode_ops_off_cuda(tmp_path):
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    folder = make_checkpoint(tmp_path / "ckpt", d_model=64, decoder_layers=1, encoder_layers=1)
+    with pytest.raises(ValueError, match="decode_ops=True runs Triton kernels on a CUDA device"):
+        Engine(folder, device="cpu", decode_ops=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_engine_on_decode_ops_is_token_exact_in_half_precision(tmp_path, dtype):
+    """With rows and queries independent, a speculative engine in half precision (self draft and
+    another draft, k = 2 and 5, 4 rows in a batch bucket) gives target-only's tokens: what torch's
+    kernels cannot promise (README, GPU: near-tie flips)."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    target = make_checkpoint(tmp_path / "target", d_model=256, decoder_layers=2, heads=4, init_std=0.05)
+    draft = make_checkpoint(tmp_path / "draft", d_model=256, decoder_layers=1, heads=4, init_std=0.05,
+                            encoder_from=target)
+    mel = torch.randn(4, 80, 3000, generator=torch.Generator().manual_seed(0))
+    plain = Engine(target, device="cuda", dtype=dtype, decode_ops=True)
+    expected = [r.tokens for r in plain.transcribe(mel, language="en", max_new_tokens=40)]
+    assert any(len(t) > 10 for t in expected)
+    for d in (target, draft):
+        engine = Engine(target, draft=d, device="cuda", dtype=dtype, decode_ops=True)
+        for k in (2, 5):
+            got = [r.tokens for r in engine.transcribe(mel, language="en", max_new_tokens=40, num_draft_tokens=k)]
+            assert got == expected, (d.name, k)

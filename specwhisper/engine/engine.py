@@ -50,7 +50,8 @@ class Engine:
 
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
                  draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
-                 compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race"):
+                 compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race",
+                 decode_ops: bool = False):
         """`dtype`: None is float32 on a CPU and float16 on CUDA. In float16/bfloat16 on a GPU a
         verify pass of k + 1 positions (or another batch bucket) can round a near-tied argmax
         differently from a one-token step, so speculative tokens can differ from target-only's
@@ -76,7 +77,10 @@ class Engine:
         sampled row accepts proposals: "race" keeps a proposal equal to the target's own seeded
         race winner (a seed gives the same tokens whatever k, batch or draft), "rejection" runs
         Leviathan et al.'s acceptance test and residual resampling (rejection.py: accepts a little
-        more; tokens then depend on the draft); both sample exactly the target's distribution."""
+        more; tokens then depend on the draft); both sample exactly the target's distribution.
+        `decode_ops` (experimental, CUDA only): the decoders' layers and heads on the Triton decode
+        ops (`Whisper.fuse_decode_ops`: fused linears, chunked attention, each row's and query's
+        bits independent of the others, so that half precision is meant to be token-exact too)."""
         self.device = torch.device(device) if device is not None else default_device()
         self.backend = backend_for(self.device)  # every device-dependent decision (backends/)
         if dtype is None:
@@ -87,11 +91,17 @@ class Engine:
             raise ValueError(f"sampling must be 'race' or 'rejection', got {sampling!r}")
         if not (isinstance(max_batch, int) and 1 <= max_batch <= 256):
             raise ValueError(f"max_batch must be an int in 1..256, got {max_batch!r}")
+        if decode_ops and self.device.type != "cuda":
+            raise ValueError(f"decode_ops=True runs Triton kernels on a CUDA device, not on {self.device}")
         self.dtype = dtype
         self.target = LoadedModel.load(target, self.device, dtype)
+        if decode_ops:
+            self.target.model.fuse_decode_ops()
         self.drafter = None
         if draft is not None:
             draft_model = LoadedModel.load(draft, self.device, dtype)
+            if decode_ops:
+                draft_model.model.fuse_decode_ops()
             if compact_draft is None:  # a self draft stays the target's exact copy (acceptance 1.0)
                 compact_draft = (self.backend.compacts_drafts(dtype)
                                  and not same_decoder(draft_model.model, self.target.model))

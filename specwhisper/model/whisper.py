@@ -361,6 +361,12 @@ class Decoder(nn.Module):
         """hidden [..., d] -> float32 logits [..., vocab] (tied output head, float32 accumulation)."""
         if cpu_ops.active(hidden):
             return cpu_ops.linear(hidden, self.embed_tokens.weight, None, torch.float32)
+        if self.fused_ops is not None:  # rows independent of each other (the GPU decode ops)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            if not flat.is_contiguous():
+                flat = flat.contiguous()
+            return self.fused_ops.decode_linear(flat, self.embed_tokens.weight).view(
+                *hidden.shape[:-1], -1).float()
         return (hidden @ self.embed_tokens.weight.T).float()
 
     def forward(self, tokens, input_pos, cache, kv_len=None) -> torch.Tensor:
