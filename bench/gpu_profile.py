@@ -155,7 +155,7 @@ def main(argv=None) -> None:
                 graphs = StepGraphs(True, device)
                 fused[w] = dict(graphed_ms=clock(lambda: graphs.run(("fused", w), step)) * 1e3,
                                 same_argmax=bool(torch.equal(step(), reference)))
-                fused[w]["kernels_per_step"] = kernel_profile(step, device)["kernels_per_step"]
+                fused[w]["profile"] = kernel_profile(step, device)
             except Exception as exc:
                 fused[w] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
             finally:

@@ -39,9 +39,12 @@ _SQRT_HALF = tl.constexpr(1.0 / math.sqrt(2.0))
 @triton.jit
 def _decode_linear_kernel(
     x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
+    k_cache_ptr, v_cache_ptr, pos_ptr,
     M, N, K, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
+    T, D, stride_cb, stride_ch, stride_cs, stride_pb,
     HAS_BIAS: tl.constexpr, LN: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
+    KV_WRITE: tl.constexpr, DH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,15 +91,30 @@ def _decode_linear_kernel(
         acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if KV_WRITE:  # columns D..2D-1 are keys, 2D..3D-1 values: into the caches at each row's slot
+        b, t = rm.to(tl.int64) // T, rm.to(tl.int64) % T
+        slot = tl.load(pos_ptr + b * stride_pb + t, mask=m_in, other=0).to(tl.int64)
+        is_k = (rn >= D) & (rn < 2 * D)
+        is_v = rn >= 2 * D
+        c = tl.where(is_v, rn - 2 * D, rn - D).to(tl.int64)
+        at = b[:, None] * stride_cb + (c // DH)[None, :] * stride_ch + slot[:, None] * stride_cs + (c % DH)[None, :]
+        value = acc.to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + at, value, mask=out_mask & is_k[None, :])
+        tl.store(v_cache_ptr + at, value, mask=out_mask & is_v[None, :])
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   layer_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gelu: bool = False,
-                  residual: torch.Tensor | None = None, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
+                  residual: torch.Tensor | None = None,
+                  kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  block_n: int = 32, block_k: int = 128) -> torch.Tensor:
     """x [M, K], weight [N, K] (the same float dtype, K contiguous), bias [N] or None;
     layer_norm = (weight [K], bias [K], eps) applied to x first; residual [M, N] added last
-    -> [M, N] in x's dtype. `block_n` only changes the parallel split; `block_k` (with BLOCK_M) fixes
-    the arithmetic, so keep it fixed for results that must match."""
+    -> [M, N] in x's dtype. `kv_write` = (k_cache, v_cache [B, H, S, Dh], write_pos [B, T]) for a
+    fused q/k/v projection (N = 3 H Dh, M = B T): its key and value columns are also written into
+    the caches at each row's slot (the scatter the layer would do next). `block_n` only changes the
+    parallel split; `block_k` (with BLOCK_M) fixes the arithmetic, so keep it fixed for results that
+    must match."""
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32), (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "the feature dim must be contiguous"
@@ -111,14 +129,28 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         ln_w = ln_b = x
         eps = 0.0
+    if kv_write is not None:
+        k_cache, v_cache, pos = kv_write
+        B, H, _, Dh = k_cache.shape
+        T = pos.shape[1]
+        assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(), "k/v caches alike"
+        assert k_cache.stride(3) == 1 and pos.shape == (B, T) and pos.stride(1) == 1 and M == B * T
+        assert N == 3 * H * Dh and k_cache.dtype == x.dtype, (N, H, Dh, k_cache.dtype)
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pos.stride(0))
+    else:
+        k_cache = v_cache = pos = x
+        T, H, Dh, cache_strides = 1, 1, 16, (0, 0, 0, 0)
     if M == 0:
         return out
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M))
     _decode_linear_kernel[grid](
         x, weight, bias if bias is not None else x, ln_w, ln_b, residual if residual is not None else x, out,
+        k_cache, v_cache, pos,
         M, N, K, float(eps), x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
+        T, H * Dh, *cache_strides,
         HAS_BIAS=bias is not None, LN=layer_norm is not None, GELU=gelu, RESIDUAL=residual is not None,
+        KV_WRITE=kv_write is not None, DH=Dh,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4,
     )
     return out

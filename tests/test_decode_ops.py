@@ -60,6 +60,26 @@ def test_interpreted_matches_reference(interpreted, M, K, N, dtype, opts):
 
 
 @needs_triton
+def test_interpreted_kv_write_fills_the_caches_as_a_scatter_would(interpreted):
+    """A fused q/k/v projection with kv_write: its output as without, and its key and value
+    columns in the caches at each row's slot (the scratch slot too), nothing else touched."""
+    B, T, H, Dh, S = 2, 3, 2, 16, 10
+    x, weight, bias, ln, _ = inputs(B * T, 32, 3 * H * Dh, torch.float32, seed=7)
+    pos = torch.tensor([[0, 1, 2], [4, 9, 7]])
+    k_cache, v_cache = torch.randn(B, H, S, Dh), torch.randn(B, H, S, Dh)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    plain = interpreted.decode_linear(x, weight, bias, layer_norm=ln, block_n=32, block_k=32)
+    got = interpreted.decode_linear(x, weight, bias, layer_norm=ln, kv_write=(k_cache, v_cache, pos),
+                                    block_n=32, block_k=32)
+    assert torch.equal(got, plain)
+    q, k, v = (t.view(B, T, H, Dh).transpose(1, 2) for t in plain.chunk(3, dim=-1))
+    index = pos[:, None, :, None].expand_as(k)
+    k_expected.scatter_(2, index, k)
+    v_expected.scatter_(2, index, v)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+@needs_triton
 def test_interpreted_reference_is_layer_norm_then_linear(interpreted):
     """The reference itself, in float32, is torch's layer norm, linear, GELU and add."""
     x, weight, bias, (g, b, eps), residual = inputs(4, 96, 40, torch.float32, seed=2)

@@ -193,17 +193,16 @@ class DecoderLayer(nn.Module):
         """`forward` on `kernel`'s GPU decode ops (kernels/decode_ops.py): the six linears with their
         layer norms, GELU and residual adds fused, and both attentions, each reading the first
         n_self / n_cross [B, T] slots: the same results to float rounding in half the kernels, each
-        row's and query's bits independent of the others. The self-attention's q/k/v must be fused."""
+        row's and query's bits independent of the others; the q/k/v projection writes the keys and
+        values into the cache itself. The self-attention's q/k/v must be fused."""
         sa, ca = self.self_attn, self.encoder_attn
         B, T, d = x.shape
         ln = lambda m: (m.weight, m.bias, m.eps)  # noqa: E731
         scale = sa.head_dim**-0.5
         x = x.reshape(B * T, d)
-        qkv = kernel.decode_linear(x, sa.fused_weight, sa.fused_bias, layer_norm=ln(self.self_attn_layer_norm))
-        q, k, v = (sa.heads(t) for t in qkv.view(B, T, 3 * d).chunk(3, dim=-1))
-        index = write_pos[:, None, :, None].expand_as(k)
-        self_k.scatter_(2, index, k)
-        self_v.scatter_(2, index, v)
+        qkv = kernel.decode_linear(x, sa.fused_weight, sa.fused_bias, layer_norm=ln(self.self_attn_layer_norm),
+                                   kv_write=(self_k, self_v, write_pos))  # k, v into the cache too
+        q = sa.heads(qkv.view(B, T, 3 * d)[..., :d])
         a = kernel.decode_attention(q, self_k, self_v, n_self, scale)
         x = kernel.decode_linear(a.view(B * T, d), sa.out_proj.weight, sa.out_proj.bias, residual=x)
         q = kernel.decode_linear(x, ca.q_proj.weight, ca.q_proj.bias, layer_norm=ln(self.encoder_attn_layer_norm))
@@ -316,6 +315,7 @@ class Decoder(nn.Module):
         if kernel is not None:  # the GPU decode ops (`Whisper.fuse_decode_ops`)
             n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).contiguous()  # slots 0..position
             n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
+            write_pos = write_pos.contiguous()
             for layer, self_k, self_v, cross_k, cross_v in layers:
                 x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
             return self.layer_norm(x)
