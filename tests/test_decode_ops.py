@@ -349,3 +349,35 @@ def test_cuda_engine_on_decode_ops_is_token_exact_in_half_precision(tmp_path, dt
         for k in (2, 5):
             got = [r.tokens for r in engine.transcribe(mel, language="en", max_new_tokens=40, num_draft_tokens=k)]
             assert got == expected, (d.name, k)
+
+
+@needs_triton
+def test_interpreted_engine_on_decode_ops_speculative_equals_target_only(interpreted, tmp_path, monkeypatch):
+    """The engine's graph-shaped path (rows padded to a bucket, fixed widths: what a GPU captures),
+    every decoder pass on the interpreted decode ops: speculative tokens (self draft and another
+    draft, k = 3, 2 rows) equal target-only's on the same ops. Engine(decode_ops=True) is
+    for CUDA; here the models are switched by hand."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    target = make_checkpoint(tmp_path / "target", d_model=64, decoder_layers=2, encoder_layers=1, heads=4,
+                             init_std=0.1)
+    draft = make_checkpoint(tmp_path / "draft", d_model=64, decoder_layers=1, encoder_layers=1, heads=4, init_std=0.1,
+                            encoder_from=target)
+    mel = torch.randn(2, 80, 3000, generator=torch.Generator().manual_seed(0))
+    # the interpreter pays per program: chunks of 512 slots (any fixed size keeps the property)
+    monkeypatch.setattr(interpreted.module, "CHUNK", 512)
+
+    def engine(d):
+        e = Engine(target, draft=d, device="cpu", background=False, cuda_graphs=True, compact_draft=False)
+        e.target.model.fuse_decode_ops(interpreted)
+        if e.drafter is not None:
+            e.drafter.draft.model.fuse_decode_ops(interpreted)
+        return e
+
+    expected = [r.tokens for r in engine(None).transcribe(mel, language="en", max_new_tokens=6)]
+    assert all(len(t) >= 1 for t in expected)
+    for d in (target, draft):
+        e = engine(d)
+        got = [r.tokens for r in e.transcribe(mel, language="en", max_new_tokens=6, num_draft_tokens=3)]
+        assert got == expected, d.name
