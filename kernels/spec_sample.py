@@ -310,6 +310,23 @@ def _exp_noise_kernel(
 
 
 @triton.jit
+def _race_tile(row_ptr, start, V, row_max, inv_t, tau, inv_kept, key_a, key_b, noise_ids_ptr,
+               HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """(best race score p / E, its first index) of the BLOCK columns from `start`; -1 past V."""
+    logits, mask = _load_tile(row_ptr, start, V, BLOCK)
+    weights = _weights(logits, row_max, inv_t)
+    p = tl.where(weights >= tau, weights, 0.0) * inv_kept
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    if HAS_IDS:
+        ids = tl.load(noise_ids_ptr + offs, mask=mask, other=0)
+    else:
+        ids = offs
+    noise = _exp_noise(key_a, key_b, ids).to(tl.float64)
+    best, idx = tl.max(tl.where(mask, p / noise, -1.0), axis=0, return_indices=True)
+    return best, start + idx.to(tl.int64)
+
+
+@triton.jit
 def _race_sample_kernel(
     logits_ptr,  # [N, V] fp32 / fp16 / bf16, rows row_stride apart
     temperature_ptr,  # [N] float32
@@ -337,20 +354,11 @@ def _race_sample_kernel(
         best = tl.full([], -1.0, tl.float64)  # every real score is >= 0
         token = tl.full([], 0, tl.int64)
         for start in range(0, V, BLOCK):
-            logits, mask = _load_tile(row_ptr, start, V, BLOCK)
-            weights = _weights(logits, row_max, inv_t)
-            p = tl.where(weights >= tau, weights, 0.0) * inv_kept
-            offs = start + tl.arange(0, BLOCK).to(tl.int64)
-            if HAS_IDS:
-                ids = tl.load(noise_ids_ptr + offs, mask=mask, other=0)
-            else:
-                ids = offs
-            noise = _exp_noise(key_a, key_b, ids).to(tl.float64)
-            tile_best, tile_idx = tl.max(tl.where(mask, p / noise, -1.0), axis=0,
-                                         return_indices=True)
+            tile_best, tile_token = _race_tile(row_ptr, start, V, row_max, inv_t, tau, inv_kept, key_a, key_b,
+                                               noise_ids_ptr, HAS_IDS, BLOCK)
             if tile_best > best:
                 best = tile_best
-                token = start + tile_idx.to(tl.int64)
+                token = tile_token
     else:
         token = _argmax_row(row_ptr, V, BLOCK)
     tl.store(tokens_ptr + row, token)
@@ -435,19 +443,11 @@ def _race_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, position_ptr, nois
         row_max = _row_max_of_chunks(pmax_ptr, row, S, S_POW2)
         tau, inv_kept = tl.load(tau_ptr + row), tl.load(inv_kept_ptr + row)
         key_a, key_b = _row_keys(tl.load(seed_ptr + row), tl.load(position_ptr + row))
-        start = chunk * CHUNK
-        logits, mask = _load_tile(logits_ptr + row * row_stride, start, V, CHUNK)
-        weights = _weights(logits, row_max, _inv_temperature(temperature))
-        p = tl.where(weights >= tau, weights, 0.0) * inv_kept
-        offs = start + tl.arange(0, CHUNK).to(tl.int64)
-        if HAS_IDS:
-            ids = tl.load(noise_ids_ptr + offs, mask=mask, other=0)
-        else:
-            ids = offs
-        noise = _exp_noise(key_a, key_b, ids).to(tl.float64)
-        best, idx = tl.max(tl.where(mask, p / noise, -1.0), axis=0, return_indices=True)
+        best, token = _race_tile(logits_ptr + row * row_stride, chunk * CHUNK, V, row_max,
+                                 _inv_temperature(temperature), tau, inv_kept, key_a, key_b, noise_ids_ptr,
+                                 HAS_IDS, CHUNK)
         tl.store(pbest_ptr + row * S + chunk, best)
-        tl.store(pbidx_ptr + row * S + chunk, start + idx.to(tl.int64))
+        tl.store(pbidx_ptr + row * S + chunk, token)
 
 
 @triton.jit

@@ -183,17 +183,22 @@ def test_interpreted_fused_decoder_matches_the_plain_one(interpreted, tmp_path):
     assert torch.equal(logits(fused, h_fused).argmax(-1), logits(plain, h_plain).argmax(-1))
 
 
-def verify_equals_single_steps(model, cache, first, tokens):
-    """hidden of tokens [B, T] in one pass at positions first.. vs T one-token passes from a copy of
-    the cache: (one pass, the steps), for a bitwise comparison."""
+def verify_and_steps(tmp_path, device, dtype, kernel, d_model):
+    """A random checkpoint's decoder on the decode ops after a 4-token prompt: the hidden states of
+    5 tokens in one pass, and of the same tokens in 5 one-token passes from a copy of the cache."""
+    from checkpoints import make_checkpoint
     from specwhisper.model.whisper import DecoderCache
 
-    B, T = tokens.shape
+    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=d_model, decoder_layers=2, heads=4)
+    _, fused, (_, cache) = decoder_pair(folder, device, dtype, kernel)
+    prompt = torch.tensor([[50258, 50259, 50359, 50363]] * 2, device=device)
+    fused.model.decoder.hidden(prompt, torch.arange(4, device=device).expand(2, 4).contiguous(), cache)
+    tokens = torch.randint(0, 50000, (2, 5), generator=torch.Generator().manual_seed(4)).to(device)
     copy = DecoderCache(*(t.clone() for t in cache.buffers()))
-    pos = (first + torch.arange(T, device=tokens.device)).expand(B, T).contiguous()
-    one_pass = model.model.decoder.hidden(tokens, pos, cache)
-    steps = torch.cat([model.model.decoder.hidden(tokens[:, t:t + 1], pos[:, t:t + 1].contiguous(), copy)
-                       for t in range(T)], 1)
+    pos = (4 + torch.arange(5, device=device)).expand(2, 5).contiguous()
+    decoder = fused.model.decoder
+    one_pass = decoder.hidden(tokens, pos, cache)
+    steps = torch.cat([decoder.hidden(tokens[:, t:t + 1], pos[:, t:t + 1].contiguous(), copy) for t in range(5)], 1)
     return one_pass, steps
 
 
@@ -203,11 +208,7 @@ def test_interpreted_fused_decoder_verify_pass_equals_single_steps(interpreted, 
     (the property that makes speculative decoding exact in half precision on the GPU)."""
     from checkpoints import make_checkpoint
 
-    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=64, decoder_layers=2, heads=4)
-    _, fused, (_, cache) = decoder_pair(folder, "cpu", torch.float32, interpreted)
-    prompt = torch.tensor([[50258, 50259, 50359, 50363]] * 2)
-    fused.model.decoder.hidden(prompt, torch.arange(4).expand(2, 4).contiguous(), cache)
-    one_pass, steps = verify_equals_single_steps(fused, cache, 4, torch.randint(0, 50000, (2, 5)))
+    one_pass, steps = verify_and_steps(tmp_path, "cpu", torch.float32, interpreted, d_model=64)
     assert torch.equal(one_pass, steps)
 
 
@@ -216,14 +217,7 @@ def test_interpreted_fused_decoder_verify_pass_equals_single_steps(interpreted, 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_fused_decoder_verify_pass_equals_single_steps(tmp_path, dtype):
-    from checkpoints import make_checkpoint
-
-    folder = make_checkpoint(tmp_path / "ckpt", vocab_size=51865, d_model=256, decoder_layers=2, heads=4)
-    _, fused, (_, cache) = decoder_pair(folder, "cuda", dtype, None)
-    prompt = torch.tensor([[50258, 50259, 50359, 50363]] * 2, device="cuda")
-    fused.model.decoder.hidden(prompt, torch.arange(4, device="cuda").expand(2, 4).contiguous(), cache)
-    tokens = torch.randint(0, 50000, (2, 5), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
-    one_pass, steps = verify_equals_single_steps(fused, cache, 4, tokens)
+    one_pass, steps = verify_and_steps(tmp_path, "cuda", dtype, None, d_model=256)
     assert torch.equal(one_pass, steps)
 
 
