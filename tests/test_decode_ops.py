@@ -320,6 +320,17 @@ def test_engine_refuses_decode_ops_off_cuda(tmp_path):
         Engine(folder, device="cpu", decode_ops=True)
 
 
+def test_decode_ops_refuse_a_head_size_they_cannot_tile(tmp_path, interpreted):
+    from checkpoints import make_checkpoint
+    from specwhisper.engine.decoding import LoadedModel
+
+    folder = make_checkpoint(tmp_path / "ckpt", d_model=72, heads=3, decoder_layers=1, encoder_layers=1)
+    model = LoadedModel.load(folder, torch.device("cpu"), torch.float32).model
+    with pytest.raises(ValueError, match="power of two >= 16, this model's is 24"):
+        model.fuse_decode_ops(interpreted)
+    assert model.decoder.fused_ops is None
+
+
 @pytest.mark.cuda
 @needs_cuda
 @needs_triton

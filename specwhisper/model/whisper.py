@@ -394,12 +394,19 @@ class Whisper(nn.Module):
         GELU and residual adds fused, and chunked attention, each row's bits independent of the
         others. Experimental, for the GPU (bench/gpu_profile.py times it); the CPU's C++ path
         fuses its own. Fuses q/k/v first."""
-        if getattr(self.decoder.layers[0].self_attn, "fused_names", None) != ("q", "k", "v"):
-            self.fuse()
+        head_dim = self.decoder.layers[0].self_attn.head_dim
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"the decode ops need a head size that is a power of two >= 16, this "
+                             f"model's is {head_dim}")
         if kernel is None:
             from ..backends.ops import _import_kernels
 
-            kernel = _import_kernels("decode_ops")
+            try:
+                kernel = _import_kernels("decode_ops")
+            except ImportError as exc:
+                raise RuntimeError(f"the decode ops need Triton, which cannot be imported ({exc})") from exc
+        if getattr(self.decoder.layers[0].self_attn, "fused_names", None) != ("q", "k", "v"):
+            self.fuse()
         self.decoder.fused_ops = kernel
 
     def compact_decoder(self) -> None:
