@@ -37,3 +37,17 @@ def test_gpu_suite_quick_runs_on_cpu(tmp_path):
         assert (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     assert "## Goals" in summary and "pytest -m cuda:" in summary
+
+
+def test_gpu_profile_smoke_runs_on_cpu(tmp_path):
+    """bench/gpu_profile.py's CPU smoke run (its CUDA-only parts skip): the script a device call
+    runs cannot rot unseen either."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"), "--models", str(tmp_path / "models"),
+                          "--out", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32", "--quick",
+                          "--widths", "1", "2", "--no-compile"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    profile = json.loads((tmp_path / "out" / "profile.json").read_text())
+    for width in ("1", "2"):
+        row = profile["widths"][width]
+        assert row["eager_ms"] > 0 and row["graphed_ms"] > 0 and row["profile"]["top"], row
