@@ -1,6 +1,9 @@
-"""kernels/decode_ops.py: the fused decode linear (layer norm, bias, GELU, residual) against its
-PyTorch reference over odd shapes and every option (interpreted on CPU tensors), and on CUDA at
-large-v3's shapes, where each row's bits must not depend on the other rows or their number."""
+"""kernels/decode_ops.py, the GPU decode ops: the fused linear (layer norm, bias, GELU, residual,
+cache writes) and the chunked attention against their PyTorch references over odd shapes and every
+option (interpreted on CPU tensors); the decoder and the engine on them (`Whisper.fuse_decode_ops`):
+equal to the plain path to rounding, a verify pass equal to one-token steps bit for bit, speculative
+tokens equal to target-only's; and on CUDA at large-v3's shapes, where each row's and query's bits
+must not depend on the others, in float16 and bfloat16 too."""
 from __future__ import annotations
 
 import importlib.util
