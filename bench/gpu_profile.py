@@ -4,6 +4,7 @@
 - the graphed step with each set of torch's attention kernels;
 - one layer's six linears as torch's ops against the fused decode linear at several tilings;
 - the race-sampling kernel (chunked and one program per row) the engine's sampled steps run;
+- one `Engine.transcribe` call profiled: wall and kernel time a token, the top host-side ops;
 - the step compiled by torch.compile (inductor; cudagraphs only from `StepGraphs`), then captured.
 
     python bench/gpu_profile.py --models DIR --out OUT_DIR [--widths 1 5] [--no-compile]
@@ -105,6 +106,37 @@ def decode_linear_section(device, dtype, clock) -> dict:
     return result
 
 
+def engine_profile(folder, device, dtype, tokens: int) -> dict:
+    """Where an end-to-end token goes beyond the step: `Engine.transcribe` of one random window
+    (target-only, the engine's defaults: graphs on CUDA), `tokens` new tokens, profiled after a
+    warm-up: the call's wall time and kernel time over its tokens (the encoder and the admission
+    included), and the top ops by self CPU time (the host's share), all per token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specwhisper import Engine
+    from specwhisper.config import WhisperConfig
+
+    engine = Engine(folder, device=device, dtype=dtype, background=False)
+    mel = torch.randn(1, WhisperConfig.from_hf(folder).num_mel_bins, 3000, generator=torch.Generator().manual_seed(0))
+
+    def call(n):
+        return engine.transcribe(mel, language="en", max_new_tokens=n)
+    call(tokens)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        result = call(tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    result = result[0] if isinstance(result, list) else result
+    n = max(len(result.tokens), 1)
+    kernel_us = sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") if device.type == "cuda" else 0.0
+    host = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])[:15]
+    return dict(tokens=n, wall_ms_per_token=wall / n * 1e3, kernel_ms_per_token=kernel_us / n / 1e3,
+                host_top=[dict(name=k[:80], self_ms_per_token=round(t / n / 1e3, 4)) for k, t in host])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=Path, required=True)
@@ -195,6 +227,17 @@ def main(argv=None) -> None:
     if device.type == "cuda" and dtype != torch.float32:
         out["decode_linear"] = decode_linear_section(device, dtype, clock)
         save()
+
+    # one call end to end: what a token costs beyond the graphed step
+    try:
+        out["engine"] = engine_profile(folders["large-v3"], device, dtype, 8 if args.quick else 64)
+        e = out["engine"]
+        print(f"engine, target-only, B=1, a call over its {e['tokens']} tokens: {e['wall_ms_per_token']:.3f} ms "
+              f"wall a token, {e['kernel_ms_per_token']:.3f} ms of kernels; top self CPU: {e['host_top'][:6]}",
+              flush=True)
+    except Exception as exc:
+        out["engine"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    save()
 
     # the race kernel of a sampled verify: B x (k+1) rows of the vocabulary
     from specwhisper.backends import ops

@@ -51,3 +51,4 @@ def test_gpu_profile_smoke_runs_on_cpu(tmp_path):
     for width in ("1", "2"):
         row = profile["widths"][width]
         assert row["eager_ms"] > 0 and row["graphed_ms"] > 0 and row["profile"]["top"], row
+    assert profile["engine"]["tokens"] > 0 and profile["engine"]["wall_ms_per_token"] > 0, profile["engine"]
