@@ -209,8 +209,6 @@ def verify_and_steps(tmp_path, device, dtype, kernel, d_model):
 def test_interpreted_fused_decoder_verify_pass_equals_single_steps(interpreted, tmp_path):
     """Rows and queries independent: a 5-token pass gives each token the bits of 5 one-token steps
     (the property that makes speculative decoding exact in half precision on the GPU)."""
-    from checkpoints import make_checkpoint
-
     one_pass, steps = verify_and_steps(tmp_path, "cpu", torch.float32, interpreted, d_model=64)
     assert torch.equal(one_pass, steps)
 

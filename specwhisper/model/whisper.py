@@ -298,26 +298,23 @@ class Decoder(nn.Module):
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
         rows = (cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b])
         layers = zip(self.layers, *rows)
-        if cpu_ops.active(x) and self.fused_ops is None \
-                and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
+        kernel = self.fused_ops  # the GPU decode ops (`Whisper.fuse_decode_ops`), or None
+        cpu = kernel is None and cpu_ops.active(x) \
+            and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v")
+        if cpu or kernel is not None:  # the row-independent ops: per-query slot counts, no mask
             # a query reads real slots up to its position, never the scratch slot
             n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
             n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
             write_pos = write_pos.long().contiguous()
-            if self.fused_step:  # every layer in one C++ call (the same ops as forward_rows)
+            if kernel is not None:
+                for layer, self_k, self_v, cross_k, cross_v in layers:
+                    x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
+            elif self.fused_step:  # every layer in one C++ call (the same ops as forward_rows)
                 x = cpu_ops.decoder_layers(x, self.layer_params(), *rows, write_pos, n_self, n_cross,
                                            self.layers[0].self_attn.n_heads, self.layers[0].self_attn_layer_norm.eps)
-                return self.layer_norm(x)
-            for layer, self_k, self_v, cross_k, cross_v in layers:
-                x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
-            return self.layer_norm(x)
-        kernel = self.fused_ops
-        if kernel is not None:  # the GPU decode ops (`Whisper.fuse_decode_ops`)
-            n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).contiguous()  # slots 0..position
-            n_cross = torch.full_like(n_self, cache.cross_k.shape[3])
-            write_pos = write_pos.contiguous()
-            for layer, self_k, self_v, cross_k, cross_v in layers:
-                x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
+            else:
+                for layer, self_k, self_v, cross_k, cross_v in layers:
+                    x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
             return self.layer_norm(x)
         slots = torch.arange(s, device=tokens.device)
         mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
