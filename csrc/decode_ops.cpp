@@ -1052,6 +1052,195 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   return out;
 }
 
+// ------------------------------------------------------------------ int4 draft head
+// A draft's greedy head (spec: specwhisper/model/head.py `Q4Head.argmax_reference`). Not exact, and
+// it need not be: a draft only proposes, the target verifies every proposal. The vocabulary is
+// screened in 4 bits (half the int8 screen's bytes: base's head 26.5 -> 13.3 MB a draft step), the
+// `candidates` best approximations are rechecked in float32 (gather_dot's arithmetic) and the best
+// of those is the proposal.
+// packed: uint8 [ceil(V/8), K/32, 8, 16]: per block of 8 vocabulary rows and chunk of 32 features,
+// row j's 16 bytes hold u = q + 8 (q = round(w / scale) in -7..7, scale = max|w| / 7) of feature b in the low nibble
+// and of feature b + 16 in the high nibble, so one block streams as one sequential run.
+// Row h is quantized to int8 p = round(h / s_h), s_h = max|h| / 127 (a zero or non-finite row:
+// p = 0). P_v = sum_k q_vk p_k is an exact integer (the same at every vector level, in any order);
+// the approximate logit is fl(fl(P_v) * scale_v) (s_h > 0 scales a row's logits alike).
+// Candidates: the `candidates` largest approximate logits of unbanned tokens (ties to the lower id);
+// the proposal: the candidate with the largest exact float32 logit (ties to the lower id; a NaN
+// never wins: then the lowest candidate), 0 when every token is banned.
+constexpr int64_t kQ4Chunk = 32;  // features per packed chunk (16 bytes a row)
+
+// p [N, K] int8 and sum(p) [N] from h [N, K] float32 (torch's float32 division and round).
+void quantize_rows8(const float* h, int64_t N, int64_t K, int8_t* p, int32_t* psum) {
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = h + r * K;
+    float mx = 0.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(x[k]);
+      mx = std::max(mx, std::fabs(x[k]));
+    }
+    int8_t* q = p + r * K;
+    int32_t sum = 0;
+    if (!finite || mx == 0.0f) {
+      std::fill(q, q + K, int8_t{0});
+    } else {
+      const float s = mx / 127.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        q[k] = static_cast<int8_t>(std::nearbyint(x[k] / s));
+        sum += q[k];
+      }
+    }
+    psum[r] = sum;
+  }
+}
+
+// sum_k u[j, k] * p[k] for row j of one block (the scalar twin of q4_block).
+int32_t q4_dot_scalar(const int8_t* x, int64_t K, const uint8_t* blk, int j) {
+  int32_t acc = 0;
+  for (int64_t c = 0; c < K / kQ4Chunk; ++c) {
+    const uint8_t* w = blk + (c * kQB + j) * 16;
+    const int8_t* xc = x + c * kQ4Chunk;
+    for (int b = 0; b < 16; ++b) acc += (w[b] & 0x0F) * xc[b] + (w[b] >> 4) * xc[b + 16];
+  }
+  return acc;
+}
+
+// out[i * ldo + j] = sum_k u[j, k] * p_i[k] for MR int8 rows of x and the 8 rows of one block: a
+// 32-byte load holds rows 2jj and 2jj+1 (16 bytes each); maddubs multiplies the unsigned nibbles
+// by the row's signed features (|pair sum| <= 2 * 15 * 127: no saturation), madd sums pairs into
+// int32 lanes 0-3 (row 2jj) and 4-7 (row 2jj+1).
+template <int MR>
+__attribute__((target("avx2,fma"))) void q4_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
+                                                  int64_t ldo) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < K / kQ4Chunk; ++c) {
+    const uint8_t* p = blk + c * kQB * 16;
+    __m256i lo_x[MR], hi_x[MR];
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xc = x + i * K + c * kQ4Chunk;
+      lo_x[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc)));
+      hi_x[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc + 16)));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+      const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x[i]), _mm256_maddubs_epi16(hi, hi_x[i]));
+        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(s, ones));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int32_t l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
+      out[i * ldo + 2 * j] = (l[0] + l[1]) + (l[2] + l[3]);
+      out[i * ldo + 2 * j + 1] = (l[4] + l[5]) + (l[6] + l[7]);
+    }
+}
+
+// The `count` best (value, id) of a list kept in descending value, ascending id among equal
+// values; ids arrive in ascending order, so a later id never displaces an equal value.
+struct TopList {
+  std::vector<std::pair<float, int64_t>> items;
+  int64_t count;
+  explicit TopList(int64_t n) : count(n) { items.reserve(n + 1); }
+  void offer(float a, int64_t v) {
+    if (static_cast<int64_t>(items.size()) == count && !(a > items.back().first)) return;
+    auto at = items.end();
+    while (at != items.begin() && (at - 1)->first < a) --at;
+    items.insert(at, {a, v});
+    if (static_cast<int64_t>(items.size()) > count) items.pop_back();
+  }
+};
+
+at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
+              "q4_argmax: weight must be a contiguous float32 [V, K] matrix");
+  const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
+  TORCH_CHECK(K % kQ4Chunk == 0 && K <= 16384, "q4_argmax: K must be a multiple of 32, at most 16384");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == blocks * kQB * K / 2,
+              "q4_argmax: packed must be uint8 [ceil(V/8), K/32, 8, 16]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == V,
+              "q4_argmax: scale must be contiguous float32 [V]");
+  TORCH_CHECK(candidates >= 1, "q4_argmax: candidates must be >= 1");
+  at::Tensor h = as_float_rows(hidden);
+  TORCH_CHECK(h.size(1) == K, "q4_argmax: hidden has ", h.size(1), " features, expected ", K);
+  const int64_t N = h.size(0);
+  const bool* bp = nullptr;
+  int64_t banned_stride = 0;
+  at::Tensor bc;
+  if (banned.has_value()) {
+    bc = banned->to(at::kBool).contiguous();
+    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)),
+                "q4_argmax: banned must be [V] or [N, V]");
+    bp = bc.data_ptr<bool>();
+    banned_stride = bc.dim() == 2 ? V : 0;
+  }
+  at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
+  if (N == 0) return out;
+  std::vector<int8_t> hq(N * K);
+  std::vector<int32_t> hsum(N);
+  quantize_rows8(h.data_ptr<float>(), N, K, hq.data(), hsum.data());
+  const int8_t* xq = hq.data();
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const bool vec = has_avx2();
+  const int64_t chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
+  const int64_t per_chunk = std::max<int64_t>(16, (blocks + chunks - 1) / chunks);
+  const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
+  std::vector<TopList> tops(n_chunks * N, TopList(candidates));
+  parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int32_t> products(N * kQB);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b_end = std::min(blocks, (c + 1) * per_chunk);
+      for (int64_t b = c * per_chunk; b < b_end; ++b) {
+        const uint8_t* blk = qp + b * kQB * K / 2;
+        int64_t m = 0;
+        if (vec) {
+          for (; m + 2 <= N; m += 2) q4_block<2>(xq + m * K, K, blk, products.data() + m * kQB, kQB);
+          if (m < N) q4_block<1>(xq + m * K, K, blk, products.data() + m * kQB, kQB);
+        } else {
+          for (; m < N; ++m)
+            for (int j = 0; j < kQB; ++j) products[m * kQB + j] = q4_dot_scalar(xq + m * K, K, blk, j);
+        }
+        for (int64_t r = 0; r < N; ++r) {
+          const bool* bn = bp ? bp + r * banned_stride : nullptr;
+          TopList& top = tops[c * N + r];
+          for (int64_t v = b * kQB; v < std::min(V, (b + 1) * kQB); ++v) {
+            if (bn && bn[v]) continue;
+            const int32_t P = products[r * kQB + v - b * kQB] - 8 * hsum[r];
+            top.offer(static_cast<float>(P) * sp[v], v);
+          }
+        }
+      }
+    }
+  });
+  const float* hp = h.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) {
+    TopList all(candidates);
+    for (int64_t c = 0; c < n_chunks; ++c)
+      for (const auto& [a, v] : tops[c * N + r].items) all.offer(a, v);
+    std::vector<int64_t> ids;
+    for (const auto& item : all.items) ids.push_back(item.second);
+    std::sort(ids.begin(), ids.end());
+    int64_t best_id = -1;
+    float best = -INFINITY;
+    for (int64_t v : ids) {
+      const float exact = vec ? dot_avx2(hp + r * K, wp + v * K, K) : dot_scalar(hp + r * K, wp + v * K, K);
+      if (best_id < 0 || exact > best) best = exact, best_id = v;
+    }
+    op[r] = best_id < 0 ? 0 : best_id;
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------ int8 linear (drafts)
 // x [..., K] @ (scale[n] * q[n])^T + bias -> float32, with q int8 in the screen's block layout
 // [N/8, K/8, 8, 8]: a quarter of float32's bytes. For drafts only (proposals; the target
@@ -1578,6 +1767,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
+  m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
   m.def("commit_tokens(Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor slots, Tensor choice, Tensor n_emit, int eot) -> Tensor");
@@ -1588,6 +1778,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("gather_dot", &gather_dot);
   m.impl("linear_q8", &linear_q8);
   m.impl("screened_argmax", &screened_argmax);
+  m.impl("q4_argmax", &q4_argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
   m.impl("commit_tokens", &commit_tokens);

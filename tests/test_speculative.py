@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import make_checkpoint
 from specwhisper import Engine
+from specwhisper.backends import cpu_ops
+from specwhisper.model.head import Q4Head, SubsetHead
 from specwhisper.model.whisper import DecoderCache
 
 MAX_NEW = 40
@@ -125,15 +127,34 @@ def test_draft_prompt_keeps_the_last_previous_tokens(target, drafts):
 
 
 def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, drafts, mels, reference):
-    """A draft whose output head equals the target's (distilled drafts reuse the target's
-    embedding) greedy-picks through the target's screened head: one int8 copy in cache for both,
-    and the output stays exact. Another embedding keeps its own head."""
-    engine = Engine(target, drafts["noisy"])
+    """A draft kept at full precision whose output head equals the target's (distilled drafts
+    reuse the target's embedding) greedy-picks through the target's screened head: one int8 copy
+    for both, and the output stays exact. Another embedding keeps its own head."""
+    engine = Engine(target, drafts["noisy"], compact_draft=False)
     assert engine.drafter.head is engine.target.head
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
     assert [o.tokens for o in out] == reference[:2]
-    other = Engine(target, drafts["shared"])
+    other = Engine(target, drafts["shared"], compact_draft=False)
     assert other.drafter.head is other.drafter.draft.head is not None
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="C++ decode ops unavailable")
+def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, reference):
+    """A compact draft (the CPU default) reads a 4-bit copy of its output head (`Q4Head`); its
+    proposals are what that head says (counted), and the output stays exact, greedy and batched.
+    A pruned head (draft_head_tokens) stays what was asked for."""
+    engine = Engine(target, drafts["noisy"])
+    head = engine.drafter.head
+    assert isinstance(head, Q4Head)  # its float32 rows are the embedding itself, not a copy
+    assert head.weight.data_ptr() == engine.drafter.draft.model.decoder.embed_tokens.weight.data_ptr()
+    calls = []
+    argmax = head.argmax
+    head.argmax = lambda h, banned=None: calls.append(h.shape[0]) or argmax(h, banned)
+    out = engine.transcribe(mels[:3], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    assert [o.tokens for o in out] == reference[:3]
+    assert sum(o.stats.drafted for o in out) > 0 and sum(calls) > 0
+    pruned = Engine(target, drafts["noisy"], draft_head_tokens=500)
+    assert isinstance(pruned.drafter.head, SubsetHead)
 
 
 def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, reference, monkeypatch):

@@ -142,6 +142,11 @@ def screened_argmax(hidden, packed, scale, bound, weight, tiny, banned):
     return _ops().screened_argmax(hidden, packed, scale, bound, weight, tiny, banned)
 
 
+def q4_argmax(hidden, packed, scale, weight, candidates, banned):
+    """The C++ form of `head.Q4Head.argmax_reference` (callers check `active` first)."""
+    return _ops().q4_argmax(hidden, packed, scale, weight, candidates, banned)
+
+
 def attention(q, k_cache, v_cache, n_keys, scale):
     if active(q) and q.shape[-1] == k_cache.shape[-1]:
         return _ops().decode_attention(q, k_cache, v_cache, n_keys, scale)

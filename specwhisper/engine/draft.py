@@ -10,7 +10,8 @@ import time
 import torch
 
 from ..constants import MAX_ADAPTIVE_K as MAX_K
-from ..model.head import SubsetHead
+from ..backends import cpu_ops
+from ..model.head import Q4_CHUNK, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
 from .vocab import VocabMap
 
@@ -82,6 +83,17 @@ class Drafter:
         t2d = torch.tensor([sp + [0] * (width - len(sp)) for sp in spellings], dtype=torch.long)
         lengths = torch.tensor([len(sp) for sp in spellings], dtype=torch.long)
         return d2t, t2d, lengths
+
+    def compact_head(self) -> None:
+        """A compact draft's greedy proposals through a 4-bit copy of its output head (`Q4Head`:
+        half the int8 screen's bytes, the best of 16 approximate logits rechecked in float32),
+        where the C++ ops run it and no pruned head was asked for. Base's distilled draft, 2
+        threads of a Zen 4 EPYC: its head 1.1 -> 0.54 ms, about half of its step."""
+        weight = self.draft.model.decoder.embed_tokens.weight
+        if (isinstance(self.head, SubsetHead) or not cpu_ops.available() or weight.device.type != "cpu"
+                or weight.dtype != torch.float32 or weight.shape[1] % Q4_CHUNK):
+            return
+        self.head = Q4Head(weight.detach())
 
     def head_ids(self, n: int) -> torch.Tensor:
         """The draft's `n` lowest text ids the target can spell (BPE ids follow merge order,

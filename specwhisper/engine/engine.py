@@ -61,7 +61,7 @@ class Engine:
         most frequent target-spellable tokens (a cheaper draft head; output stays exact);
         `compact_draft`: store the draft decoder's projection weights and its cross-attention
         K/V in bfloat16, its C++ step reading int8 copies of the projections (a quarter of the
-        float32 bytes of a draft step), and run a draft's own encoder cheaper (int8 projections
+        float32 bytes of a draft step) and a 4-bit copy of its output head, and run a draft's own encoder cheaper (int8 projections
         or bfloat16, attention within 3-second blocks); the output
         stays exact, the target verifies every proposal; None:
         on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
@@ -108,6 +108,7 @@ class Engine:
             self.drafter = Drafter(draft_model, self.target, shared_encoder, draft_head_tokens)
             if compact_draft:
                 self.backend.compact_draft(draft_model.model, own_encoder=not self.drafter.shared_encoder)
+                self.drafter.compact_head()
         graphs = self.backend.step_graphs(cuda_graphs)
         self.runner = Runner(self.target, self.drafter, max_batch, self.device, dtype, graphs, sampling)
         self.scheduler = Scheduler(self.runner, self.drafter.stands_aside if self.drafter else None)

@@ -1,0 +1,113 @@
+"""The drafts' 4-bit head (`Q4Head`): the C++ op equals its PyTorch reference bit for bit at every
+vector level, its packing is the documented layout, and its proposals are the exact argmax where
+the rounding cannot hide it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specwhisper.backends import cpu_ops
+from specwhisper.model.head import Q4Head, quantize_rows8
+
+needs_ops = pytest.mark.skipif(cpu_ops._ops() is None, reason="C++ decode ops unavailable")
+
+
+@pytest.fixture(autouse=True)
+def inference():
+    with torch.inference_mode():
+        yield
+
+
+def exact_argmax(weight, hidden, banned=None):
+    logits = cpu_ops.linear(hidden, weight, None, torch.float32)
+    return logits if banned is None else logits.masked_fill(banned, -float("inf"))
+
+
+@needs_ops
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("V,K,N", [(8, 32, 1), (77, 32, 3), (1001, 64, 5), (5003, 384, 2), (4099, 512, 9)])
+def test_op_equals_reference(level, V, K, N):
+    """Approximations, candidate order (ties to the lower id) and the float32 recheck: the same
+    proposals as the reference, with no banned tokens, a shared [V] mask and per-row [N, V] masks,
+    at 1, 16 and more candidates than tokens; duplicate rows make exact ties."""
+    gen = torch.Generator().manual_seed(V + K + N)
+    weight = torch.randn(V, K, generator=gen) * torch.rand(V, 1, generator=gen)
+    weight[5 % V] = weight[3 % V]
+    weight[V - 1] = 0.0  # an all-zero row
+    hidden = torch.randn(N, K, generator=gen) * 4
+    hidden[0] = weight[3 % V] * 10  # the duplicated rows are the best: the lower id wins
+    masks = [None, torch.rand(V, generator=gen) < 0.3, torch.rand(N, V, generator=gen) < 0.5]
+    for candidates in (1, 16, V + 3):
+        head = Q4Head(weight, candidates)
+        for banned in masks:
+            with cpu_ops.vector_level(level):
+                got = head.argmax(hidden, banned)
+            with cpu_ops.reference():
+                want = head.argmax(hidden, banned)
+            assert torch.equal(got, want), (candidates, banned is None)
+    head = Q4Head(weight, V + 3)  # every token rechecked: the exact argmax
+    assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
+
+
+@needs_ops
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_extreme_products_and_odd_rows(level):
+    """Weights at -7 and 7 against hidden rows at ±127 (the largest maddubs pair sums), a zero
+    hidden row, rows with a NaN or an infinity, every token banned in one row, no rows at all."""
+    V, K = 203, 512
+    weight = torch.where(torch.arange(K) % 3 == 0, -1.0, 7 / 8).repeat(V, 1) * torch.linspace(0.5, 2, V)[:, None]
+    weight[7, :] = -1.0
+    hidden = torch.stack([torch.full((K,), 5.0), torch.full((K,), -5.0), torch.zeros(K),
+                          torch.full((K,), float("nan")), torch.randn(K), torch.randn(K)])
+    hidden[5, 3] = float("inf")
+    banned = torch.zeros(6, V, dtype=torch.bool)
+    banned[4] = True
+    head = Q4Head(weight, 4)
+    with cpu_ops.vector_level(level):
+        got = head.argmax(hidden, banned)
+        empty = head.argmax(hidden[:0])
+    with cpu_ops.reference():
+        want = head.argmax(hidden, banned)
+    assert torch.equal(got, want)
+    assert got[4] == 0 and empty.shape == (0,)
+    p = quantize_rows8(hidden)
+    assert p[:2].abs().max() == 127 and (p[2:4] == 0).all() and (p[5] == 0).all()
+
+
+def test_packing_is_the_documented_layout():
+    """packed[block, chunk, row, byte]: q + 8 of feature 32·chunk + byte (low nibble) and of
+    feature 32·chunk + 16 + byte (high nibble) of vocabulary row 8·block + row; padding rows
+    hold q = 0; q = round(w / s) in -7..7 with s = max|w| / 7."""
+    gen = torch.Generator().manual_seed(3)
+    V, K = 13, 64
+    weight = torch.randn(V, K, generator=gen)
+    head = Q4Head(weight)
+    assert head.packed.shape == (2, K // 32, 8, 16) and head.packed.dtype == torch.uint8
+    lo = (head.packed & 0x0F).long() - 8
+    hi = (head.packed >> 4).long() - 8
+    q = torch.cat([lo, hi], dim=-1).transpose(1, 2).reshape(16, K)  # [rows, chunk * 32 + feature]
+    assert torch.equal(q[:V], head.q.long()) and (q[V:] == 0).all()
+    assert torch.equal(head.q.float(), (weight / (weight.abs().amax(1, keepdim=True) / 7)).round().clamp(-8, 7))
+    assert head.q.abs().max() == 7
+
+
+def test_proposals_match_the_exact_argmax_on_clear_winners():
+    """A hidden state near one token's embedding (a confident draft): the proposal is that token
+    for all 200 rows, through the C++ op (when built) and the reference alike."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(51865, 64, generator=gen) * 0.5
+    ids = torch.randint(0, 51865, (200,), generator=gen)
+    hidden = weight[ids] * 3 + torch.randn(200, 64, generator=gen) * 0.3
+    want = exact_argmax(weight, hidden).argmax(dim=-1)
+    assert torch.equal(want, ids)  # the test's premise
+    head = Q4Head(weight)
+    assert torch.equal(head.argmax(hidden), want)
+    with cpu_ops.reference():
+        assert torch.equal(head.argmax(hidden[:20]), want[:20])
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Q4Head(torch.randn(10, 48))
+    with pytest.raises(ValueError, match="candidates"):
+        Q4Head(torch.randn(10, 32), candidates=0)
