@@ -58,7 +58,7 @@ class Engine:
         there (README, GPU); float32 is token-exact everywhere.
         `shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
-        most frequent target-spellable tokens (a cheaper draft head; output stays exact);
+        lowest target-spellable text ids (a cheaper draft head; output stays exact);
         `compact_draft`: store the draft decoder's projection weights and its cross-attention
         K/V in bfloat16, its C++ step reading int8 copies of the projections (a quarter of the
         float32 bytes of a draft step) and a 4-bit copy of its output head, and run a draft's own encoder cheaper (int8 projections
