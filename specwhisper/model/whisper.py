@@ -342,12 +342,18 @@ class Decoder(nn.Module):
                 scales = []
                 if self.int8:
                     w, scales = [q for q, _ in layer.int8], [s for _, s in layer.int8]
+                b = [sa.fused_bias, sa.out_proj.bias, ca.q_proj.bias, ca.out_proj.bias, layer.fc1.bias, layer.fc2.bias]
+                if self.int8:
+                    # the int8 products add their biases in float32: widened once here (exactly),
+                    # not in every call (a compact draft's bfloat16 biases: 24 conversions a
+                    # tiny.en step)
+                    b = [t.float() for t in b]
                 params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
-                           w[0], sa.fused_bias, w[1], sa.out_proj.bias,
+                           w[0], b[0], w[1], b[1],
                            layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias,
-                           w[2], ca.q_proj.bias, w[3], ca.out_proj.bias,
+                           w[2], b[2], w[3], b[3],
                            layer.final_layer_norm.weight, layer.final_layer_norm.bias,
-                           w[4], layer.fc1.bias, w[5], layer.fc2.bias] + scales
+                           w[4], b[4], w[5], b[5]] + scales
             self._layer_params = [t.detach() for t in params]
         return self._layer_params
 
