@@ -45,6 +45,7 @@ import torch
 
 from specwhisper import Engine, load_audio, log_mel_spectrogram
 from specwhisper.backends import cpu_ops
+from specwhisper.engine.draft import compact_draft_head
 from specwhisper.model.whisper import DecoderCache
 from specwhisper.tools.fetch import NAMES, ct2_dir, fetch
 from specwhisper.wer import wer
@@ -211,9 +212,11 @@ def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10
 def compact_step_ms(engine: Engine, mel: torch.Tensor, repeats: int) -> float:
     """Milliseconds of one step of `engine`'s model with its decoder compacted as Engine(target,
     draft) compacts a draft's on the CPU (`Backend.compact_draft`), its cross K/V cache in the
-    dtype the engine gives such a draft (`Backend.draft_cross_dtype`: bfloat16 on the CPU)."""
+    dtype the engine gives such a draft (`Backend.draft_cross_dtype`: bfloat16 on the CPU), its
+    greedy head the 4-bit copy a compact draft proposes through (`draft.compact_draft_head`)."""
     lm = engine.target
     lm.backend.compact_draft(lm.model, own_encoder=False)
+    lm.head = compact_draft_head(lm.model) or lm.head
     cross = lm.backend.draft_cross_dtype(lm.model.decoder, engine.dtype)
     return 1e3 * step_times(engine, mel, repeats, rows=[1], cross_dtype=cross)[1]
 
@@ -509,7 +512,7 @@ def markdown(r: dict) -> str:
              f"{r['thread_step_ms'] / r['floor_ms']:.2f} |",
              f"| target step, bfloat16 model | {r['bf16_step_ms']:.1f} | {r['bf16_step_ms'] / r['floor_ms']:.2f} |",
              f"| draft step tiny.en | {r['draft_step_ms']['tiny.en']:.1f} | |",
-             f"| draft step tiny.en, compact (int8 projections, bfloat16 cross K/V, as drafts run) | "
+             f"| draft step tiny.en, compact (int8 projections, bfloat16 cross K/V, 4-bit head, as drafts run) | "
              f"{r['draft_step_ms']['tiny.en compact']:.1f} | |"]
     if "distilled compact" in r["draft_step_ms"]:
         lines.append(f"| draft step distilled, compact (shares the target's encoder) | "

@@ -85,15 +85,10 @@ class Drafter:
         return d2t, t2d, lengths
 
     def compact_head(self) -> None:
-        """A compact draft's greedy proposals through a 4-bit copy of its output head (`Q4Head`:
-        half the int8 screen's bytes, the best of 16 approximate logits rechecked in float32),
-        where the C++ ops run it and no pruned head was asked for. Base's distilled draft, 2
-        threads of a Zen 4 EPYC: its head 1.1 -> 0.54 ms, about half of its step."""
-        weight = self.draft.model.decoder.embed_tokens.weight
-        if (isinstance(self.head, SubsetHead) or not cpu_ops.available() or weight.device.type != "cpu"
-                or weight.dtype != torch.float32 or weight.shape[1] % Q4_CHUNK):
-            return
-        self.head = Q4Head(weight.detach())
+        """A compact draft proposes through `compact_draft_head` unless a pruned head was asked for."""
+        head = None if isinstance(self.head, SubsetHead) else compact_draft_head(self.draft.model)
+        if head is not None:
+            self.head = head
 
     def head_ids(self, n: int) -> torch.Tensor:
         """The draft's `n` lowest text ids the target can spell (BPE ids follow merge order,
@@ -231,6 +226,18 @@ class Drafter:
             self.draft.backend.synchronize()
             setup = time.perf_counter() - start
         return dict(plain_seconds=min(times[1][1:]), verify_ratio=verify, cost_ratio=cost_ratio, setup_seconds=setup)
+
+
+def compact_draft_head(model) -> Q4Head | None:
+    """A compact draft's greedy head: a 4-bit copy of its output head (`Q4Head`: half the int8
+    screen's bytes, the best of 16 approximate logits rechecked in float32), where the C++ ops run
+    it (float32 CPU weights, features a multiple of 32); None elsewhere. Base's distilled draft, 2
+    threads of a Zen 4 EPYC: its head 1.1 -> 0.54 ms, about half of its step."""
+    weight = model.decoder.embed_tokens.weight
+    if (not cpu_ops.available() or weight.device.type != "cpu" or weight.dtype != torch.float32
+            or weight.shape[1] % Q4_CHUNK):
+        return None
+    return Q4Head(weight.detach())
 
 
 def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
