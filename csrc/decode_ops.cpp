@@ -693,6 +693,16 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_rows512(const float
 // (a verify pass) the AVX2 screen was bound by arithmetic, not by its 26 MB of int8 weights.
 int64_t q16_range(int64_t K) { return std::min<int64_t>(32767, int64_t{2147483647} / (127 * std::max<int64_t>(1, K))); }
 
+// max |x[k]| over a row of K; `finite` becomes false if the row holds a NaN or an infinity.
+inline float abs_max(const float* x, int64_t K, bool& finite) {
+  float mx = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    mx = std::max(mx, std::fabs(x[k]));
+  }
+  return mx;
+}
+
 // p [N, K] and s_h [N] from h [N, K] float32: s_h = fl(max|h| / R), p = round-half-even(fl(h / s_h))
 // (torch's float32 division and round); a zero row gives s_h = 0, p = 0; a row with a NaN or an
 // infinity gives s_h = NaN (its approximate logits are NaN, so it keeps no candidate).
@@ -700,12 +710,8 @@ void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh
   const float range = static_cast<float>(q16_range(K));
   for (int64_t r = 0; r < N; ++r) {
     const float* x = h + r * K;
-    float mx = 0.0f;
     bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      finite = finite && std::isfinite(x[k]);
-      mx = std::max(mx, std::fabs(x[k]));
-    }
+    const float mx = abs_max(x, K, finite);
     int16_t* q = p + r * K;
     if (!finite || mx == 0.0f) {
       sh[r] = finite ? 0.0f : NAN;
@@ -929,6 +935,21 @@ __attribute__((target("avx2,fma"))) inline int screen8_candidates(const float* a
   return bits;
 }
 
+// A banned-token mask, bool [V] (every row) or [N, V]: row r's flags at data + r * stride.
+struct BannedRows {
+  at::Tensor mask;  // the contiguous bool copy the pointer reads
+  const bool* data = nullptr;
+  int64_t stride = 0;
+  BannedRows(const c10::optional<at::Tensor>& banned, int64_t N, int64_t V, const char* op) {
+    if (!banned.has_value()) return;
+    mask = banned->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.size(-1) == V && (mask.dim() == 1 || (mask.dim() == 2 && mask.size(0) == N)), op,
+                ": banned must be [V] or [N, V]");
+    data = mask.data_ptr<bool>();
+    stride = mask.dim() == 2 ? V : 0;
+  }
+};
+
 at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& bound, const at::Tensor& weight, double tiny,
                            const c10::optional<at::Tensor>& banned) {
@@ -944,16 +965,9 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   at::Tensor h = as_float_rows(hidden);
   TORCH_CHECK(h.size(1) == K, "screened_argmax: hidden has ", h.size(1), " features, expected ", K);
   const int64_t N = h.size(0);
-  const bool* bp = nullptr;
-  int64_t banned_stride = 0;
-  at::Tensor bc;
-  if (banned.has_value()) {
-    bc = banned->to(at::kBool).contiguous();
-    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)),
-                "screened_argmax: banned must be [V] or [N, V]");
-    bp = bc.data_ptr<bool>();
-    banned_stride = bc.dim() == 2 ? V : 0;
-  }
+  const BannedRows ban(banned, N, V, "screened_argmax");
+  const bool* bp = ban.data;
+  const int64_t banned_stride = ban.stride;
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
   if (N == 0) return out;
   TORCH_CHECK(K <= 65536, "screened_argmax: at most 65536 features");
@@ -1073,12 +1087,8 @@ constexpr int64_t kQ4Chunk = 32;  // features per packed chunk (16 bytes a row)
 void quantize_rows8(const float* h, int64_t N, int64_t K, int8_t* p, int32_t* psum) {
   for (int64_t r = 0; r < N; ++r) {
     const float* x = h + r * K;
-    float mx = 0.0f;
     bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      finite = finite && std::isfinite(x[k]);
-      mx = std::max(mx, std::fabs(x[k]));
-    }
+    const float mx = abs_max(x, K, finite);
     int8_t* q = p + r * K;
     int32_t sum = 0;
     if (!finite || mx == 0.0f) {
@@ -1171,16 +1181,9 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
   at::Tensor h = as_float_rows(hidden);
   TORCH_CHECK(h.size(1) == K, "q4_argmax: hidden has ", h.size(1), " features, expected ", K);
   const int64_t N = h.size(0);
-  const bool* bp = nullptr;
-  int64_t banned_stride = 0;
-  at::Tensor bc;
-  if (banned.has_value()) {
-    bc = banned->to(at::kBool).contiguous();
-    TORCH_CHECK(bc.size(-1) == V && (bc.dim() == 1 || (bc.dim() == 2 && bc.size(0) == N)),
-                "q4_argmax: banned must be [V] or [N, V]");
-    bp = bc.data_ptr<bool>();
-    banned_stride = bc.dim() == 2 ? V : 0;
-  }
+  const BannedRows ban(banned, N, V, "q4_argmax");
+  const bool* bp = ban.data;
+  const int64_t banned_stride = ban.stride;
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
   if (N == 0) return out;
   std::vector<int8_t> hq(N * K);
