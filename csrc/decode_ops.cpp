@@ -1152,6 +1152,18 @@ __attribute__((target("avx2,fma"))) void q4_block(const int8_t* x, int64_t K, co
     }
 }
 
+// products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
+void q4_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
+  int64_t m = 0;
+  if (vec) {
+    for (; m + 2 <= N; m += 2) q4_block<2>(x + m * K, K, blk, products + m * kQB, kQB);
+    if (m < N) q4_block<1>(x + m * K, K, blk, products + m * kQB, kQB);
+  } else {
+    for (; m < N; ++m)
+      for (int j = 0; j < kQB; ++j) products[m * kQB + j] = q4_dot_scalar(x + m * K, K, blk, j);
+  }
+}
+
 // The `count` best (value, id) of a list kept in descending value, ascending id among equal
 // values; ids arrive in ascending order, so a later id never displaces an equal value.
 struct TopList {
@@ -1202,15 +1214,7 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b_end = std::min(blocks, (c + 1) * per_chunk);
       for (int64_t b = c * per_chunk; b < b_end; ++b) {
-        const uint8_t* blk = qp + b * kQB * K / 2;
-        int64_t m = 0;
-        if (vec) {
-          for (; m + 2 <= N; m += 2) q4_block<2>(xq + m * K, K, blk, products.data() + m * kQB, kQB);
-          if (m < N) q4_block<1>(xq + m * K, K, blk, products.data() + m * kQB, kQB);
-        } else {
-          for (; m < N; ++m)
-            for (int j = 0; j < kQB; ++j) products[m * kQB + j] = q4_dot_scalar(xq + m * K, K, blk, j);
-        }
+        q4_products(xq, N, K, qp + b * kQB * K / 2, vec, products.data());
         for (int64_t r = 0; r < N; ++r) {
           const bool* bn = bp ? bp + r * banned_stride : nullptr;
           TopList& top = tops[c * N + r];
@@ -1240,6 +1244,75 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
       if (best_id < 0 || exact > best) best = exact, best_id = v;
     }
     op[r] = best_id < 0 ? 0 : best_id;
+  }
+  return out;
+}
+
+// A sampled draft's logits from the same 4-bit copy (spec: head.py `Q4Head.logits_reference`):
+// every token's approximate logit fl(fl(P_v) * fl(scale_v * s_h)) (s_h = max|h| / 127, the row's
+// int8 step; 0 for a zero or non-finite row), then the `candidates` largest (ties to the lower id)
+// replaced by their exact float32 logits (gather_dot's arithmetic), where the race's winner lies.
+// Not the draft's exact logits: its proposals (the target's race decides) and, under rejection
+// sampling, the distribution they are drawn from and tested against, consistently.
+at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& weight, int64_t candidates) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
+              "q4_logits: weight must be a contiguous float32 [V, K] matrix");
+  const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
+  TORCH_CHECK(K % kQ4Chunk == 0 && K <= 16384, "q4_logits: K must be a multiple of 32, at most 16384");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == blocks * kQB * K / 2,
+              "q4_logits: packed must be uint8 [ceil(V/8), K/32, 8, 16]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == V,
+              "q4_logits: scale must be contiguous float32 [V]");
+  TORCH_CHECK(candidates >= 0, "q4_logits: candidates must be >= 0");
+  at::Tensor h = as_float_rows(hidden);
+  TORCH_CHECK(h.size(1) == K, "q4_logits: hidden has ", h.size(1), " features, expected ", K);
+  const int64_t N = h.size(0);
+  at::Tensor out = at::empty({N, V}, h.options());
+  if (N == 0) return out;
+  std::vector<int8_t> hq(N * K);
+  std::vector<int32_t> hsum(N);
+  std::vector<float> step(N);
+  quantize_rows8(h.data_ptr<float>(), N, K, hq.data(), hsum.data());
+  const float* hp = h.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r) {
+    bool finite = true;
+    const float mx = abs_max(hp + r * K, K, finite);
+    step[r] = finite ? mx / 127.0f : 0.0f;  // quantize_rows8's step (its p is 0 where this is 0)
+  }
+  const int8_t* xq = hq.data();
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool vec = has_avx2();
+  const int64_t chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
+  const int64_t per_chunk = std::max<int64_t>(16, (blocks + chunks - 1) / chunks);
+  const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
+  const int64_t keep = std::min(candidates, V);
+  std::vector<TopList> tops(n_chunks * N, TopList(std::max<int64_t>(keep, 1)));
+  parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int32_t> products(N * kQB);
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t b = c * per_chunk; b < std::min(blocks, (c + 1) * per_chunk); ++b) {
+        q4_products(xq, N, K, qp + b * kQB * K / 2, vec, products.data());
+        for (int64_t r = 0; r < N; ++r)
+          for (int64_t v = b * kQB; v < std::min(V, (b + 1) * kQB); ++v) {
+            const float a = static_cast<float>(products[r * kQB + v - b * kQB] - 8 * hsum[r]) * (sp[v] * step[r]);
+            op[r * V + v] = a;
+            if (keep > 0) tops[c * N + r].offer(a, v);
+          }
+      }
+    }
+  });
+  const float* wp = weight.data_ptr<float>();
+  for (int64_t r = 0; r < N && keep > 0; ++r) {
+    TopList all(keep);
+    for (int64_t c = 0; c < n_chunks; ++c)
+      for (const auto& item : tops[c * N + r].items) all.offer(item.first, item.second);
+    for (const auto& item : all.items) {
+      const int64_t v = item.second;
+      op[r * V + v] = vec ? dot_avx2(hp + r * K, wp + v * K, K) : dot_scalar(hp + r * K, wp + v * K, K);
+    }
   }
   return out;
 }
@@ -1771,6 +1844,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
   m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
+  m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
   m.def("commit_tokens(Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor slots, Tensor choice, Tensor n_emit, int eot) -> Tensor");
@@ -1782,6 +1856,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("linear_q8", &linear_q8);
   m.impl("screened_argmax", &screened_argmax);
   m.impl("q4_argmax", &q4_argmax);
+  m.impl("q4_logits", &q4_logits);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
   m.impl("commit_tokens", &commit_tokens);

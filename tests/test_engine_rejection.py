@@ -15,6 +15,8 @@ import torch
 
 import specwhisper.engine.runner
 from specwhisper import Engine
+from specwhisper.backends import cpu_ops
+from specwhisper.model.head import Q4Head
 from test_engine_sampling import ALPHA, ROWS, mel, pair, pairs, two_sample_pvalue  # noqa: F401 (fixtures)
 
 CALLS = 4  # 512 samples per tested system (the target-only reference: 1024)
@@ -67,8 +69,13 @@ def drafts(pair, english):
 
 @pytest.mark.parametrize("rule, draft", [("rejection", "same"), ("rejection", "mapped"), ("race", "mapped")])
 def test_batched_speculative_sampling_matches_target_only(pair, drafts, mel, plain, rule, draft):
-    """(race with a same-vocabulary draft: test_engine_sampling.py)"""
-    spec, stats = sampled(engine(pair[0], drafts[draft], sampling=rule), mel, seed0=40_000, num_draft_tokens=2)
+    """(race with a same-vocabulary draft: test_engine_sampling.py). The same-vocabulary draft is
+    compact (64 features): it drafts from its 4-bit head's logits (`Q4Head.logits`), and under
+    rejection sampling those are the distribution its proposals are drawn from and tested against."""
+    tested = engine(pair[0], drafts[draft], sampling=rule)
+    if draft == "same" and cpu_ops.available():
+        assert isinstance(tested.drafter.head, Q4Head)
+    spec, stats = sampled(tested, mel, seed0=40_000, num_draft_tokens=2)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
     assert drafted > 0 and accepted < drafted
     if draft == "same":

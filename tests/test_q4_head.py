@@ -106,6 +106,46 @@ def test_proposals_match_the_exact_argmax_on_clear_winners():
         assert torch.equal(head.argmax(hidden[:20]), want[:20])
 
 
+@needs_ops
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("V,K,N", [(8, 32, 1), (77, 32, 3), (1001, 64, 5), (5003, 384, 2)])
+def test_logits_op_equals_reference(level, V, K, N):
+    """A sampled draft's logits: every approximation and the exact logits of the best
+    `candidates` (0, 1, 16, more than V), bit for bit against the reference at every level; a
+    zero and a non-finite hidden row give zeros (then the exact values of their candidates)."""
+    gen = torch.Generator().manual_seed(V * K + N)
+    weight = torch.randn(V, K, generator=gen) * torch.rand(V, 1, generator=gen)
+    weight[5 % V] = weight[3 % V]
+    hidden = torch.randn(N, K, generator=gen) * 3
+    if N > 2:
+        hidden[1] = 0.0
+        hidden[2, 0] = float("inf")
+    for candidates in (0, 1, 16, V + 3):
+        head = Q4Head(weight, max(candidates, 1))
+        head.candidates = candidates  # 0: approximations only
+        with cpu_ops.vector_level(level):
+            got = head.logits(hidden)
+            want = head.logits_reference(hidden)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), candidates
+    exact = exact_argmax(weight, hidden[:1])
+    assert torch.equal(got[:1], exact)  # every token rechecked: the exact float32 logits
+
+
+def test_logits_keep_the_likely_winners_exact_and_the_shape():
+    """[B, T, d] in, [B, T, V] out; the best 16 approximations carry their exact logits, so a
+    confident row's top tokens (and its argmax) are the exact ones."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(4000, 64, generator=gen) * 0.5
+    ids = torch.randint(0, 4000, (2, 3), generator=gen)
+    hidden = weight[ids] * 3 + torch.randn(2, 3, 64, generator=gen) * 0.3
+    out = Q4Head(weight).logits(hidden)
+    assert out.shape == (2, 3, 4000)
+    exact = exact_argmax(weight, hidden.reshape(6, 64)).view(2, 3, 4000)
+    assert torch.equal(out.argmax(-1), ids)
+    top = exact.topk(4, dim=-1).indices
+    assert torch.equal(out.gather(-1, top), exact.gather(-1, top))
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiples of 32"):
         Q4Head(torch.randn(10, 48))

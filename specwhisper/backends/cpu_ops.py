@@ -147,6 +147,11 @@ def q4_argmax(hidden, packed, scale, weight, candidates, banned):
     return _ops().q4_argmax(hidden, packed, scale, weight, candidates, banned)
 
 
+def q4_logits(hidden, packed, scale, weight, candidates):
+    """The C++ form of `head.Q4Head.logits_reference` (callers check `active` first)."""
+    return _ops().q4_logits(hidden, packed, scale, weight, candidates)
+
+
 def attention(q, k_cache, v_cache, n_keys, scale):
     if active(q) and q.shape[-1] == k_cache.shape[-1]:
         return _ops().decode_attention(q, k_cache, v_cache, n_keys, scale)

@@ -143,6 +143,14 @@ class Drafter:
         """Draft greedy proposals [B, T] from hidden [B, T, d]."""
         return greedy_tokens(self.draft, self.head, hidden, banned)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits [B, T, V] sampled rows draft from: a compact draft's 4-bit head's
+        (`Q4Head.logits`: a tenth of the float32 head's bytes, the race's likely winners exact),
+        else the draft's own float32 head."""
+        if isinstance(self.head, Q4Head):
+            return self.head.logits(hidden)
+        return self.draft.model.decoder.logits(hidden)
+
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A draft with its own encoder: (features [1, T/2, d] of one window's mel [n_mels, T],

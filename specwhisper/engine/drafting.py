@@ -125,7 +125,7 @@ class DraftSide:
         proposed = torch.stack(raws, dim=1) if raws else None
         rows = Rows(self.state, slots, (index + 1)[:, None], proposed)
         follows_rules = modes.any_timestamps and d.vocab.identity
-        choice, logits = choose_tokens(d.draft.model.decoder.logits, hidden, banned, rows, self.rule_tables,
+        choice, logits = choose_tokens(d.logits, hidden, banned, rows, self.rule_tables,
                                        follows_rules, self.noise_ids)
         if self.sampling_rule == "rejection":
             self.state.draft_logits[:hidden.shape[0], len(raws)] = logits[:, 0]

@@ -287,6 +287,31 @@ class Q4Head:
             return cpu_ops.q4_argmax(hidden, self.packed, self.scale, self.weight, self.candidates, banned)
         return self.argmax_reference(hidden, banned)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> float32 logits [..., V] for a sampled draft: every token's 4-bit
+        approximation fl(fl(P_v) fl(s_v s_h)), s_h = max|h| / 127 (the row's int8 step), with the
+        `candidates` largest (ties to the lower id) replaced by their exact float32 logits, where a
+        race's winner lies. Not the exact logits: a draft's proposals and, under rejection
+        sampling, the distribution they are drawn from and tested against, the same one."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if cpu_ops.active(flat):
+            out = cpu_ops.q4_logits(flat, self.packed, self.scale, self.weight, self.candidates)
+        else:
+            out = self.logits_reference(flat)
+        return out.view(*hidden.shape[:-1], -1)
+
+    def logits_reference(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.float()
+        ok = hidden.isfinite().all(dim=1)
+        step = torch.where(ok, hidden.abs().amax(dim=1) / 127, 0.0)
+        products = (quantize_rows8(hidden).double() @ self.q.double().T).float()
+        out = products * (self.scale[None, :] * step[:, None])
+        c = min(self.candidates, out.shape[1])
+        if c:
+            ids = out.sort(dim=1, descending=True, stable=True)[1][:, :c]
+            out.scatter_(1, ids, cpu_ops.gather_dot(hidden, self.weight, ids))
+        return out
+
     def approx(self, hidden: torch.Tensor) -> torch.Tensor:
         """fl(fl(P) s_v) [N, V], P the exact integer products (float64 sums of integers < 2^53)."""
         products = (quantize_rows8(hidden).double() @ self.q.double().T).float()
