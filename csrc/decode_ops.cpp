@@ -1179,19 +1179,43 @@ struct TopList {
   }
 };
 
+// The checked arguments of the 4-bit ops: sizes, the hidden rows in float32, and the vocabulary
+// blocks split into chunks (about 4 a thread, at least 16 blocks each) for the parallel pass.
+struct Q4Shape {
+  int64_t V, K, blocks, per_chunk, n_chunks;
+  at::Tensor h;
+  Q4Shape(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& weight,
+          const char* op) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2, op,
+                ": weight must be a contiguous float32 [V, K] matrix");
+    V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
+    TORCH_CHECK(K % kQ4Chunk == 0 && K <= 16384, op, ": K must be a multiple of 32, at most 16384");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == blocks * kQB * K / 2,
+                op, ": packed must be uint8 [ceil(V/8), K/32, 8, 16]");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == V, op,
+                ": scale must be contiguous float32 [V]");
+    h = as_float_rows(hidden);
+    TORCH_CHECK(h.size(1) == K, op, ": hidden has ", h.size(1), " features, expected ", K);
+    const int64_t chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
+    per_chunk = std::max<int64_t>(16, (blocks + chunks - 1) / chunks);
+    n_chunks = (blocks + per_chunk - 1) / per_chunk;
+  }
+};
+
+// Row r's best `count` over every chunk's list (tops[c * N + r]), in chunk order (ascending ids).
+TopList merged(const std::vector<TopList>& tops, int64_t n_chunks, int64_t N, int64_t r, int64_t count) {
+  TopList all(count);
+  for (int64_t c = 0; c < n_chunks; ++c)
+    for (const auto& item : tops[c * N + r].items) all.offer(item.first, item.second);
+  return all;
+}
+
 at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
-              "q4_argmax: weight must be a contiguous float32 [V, K] matrix");
-  const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
-  TORCH_CHECK(K % kQ4Chunk == 0 && K <= 16384, "q4_argmax: K must be a multiple of 32, at most 16384");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == blocks * kQB * K / 2,
-              "q4_argmax: packed must be uint8 [ceil(V/8), K/32, 8, 16]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == V,
-              "q4_argmax: scale must be contiguous float32 [V]");
+  const Q4Shape shape(hidden, packed, scale, weight, "q4_argmax");
+  const int64_t V = shape.V, K = shape.K, blocks = shape.blocks;
   TORCH_CHECK(candidates >= 1, "q4_argmax: candidates must be >= 1");
-  at::Tensor h = as_float_rows(hidden);
-  TORCH_CHECK(h.size(1) == K, "q4_argmax: hidden has ", h.size(1), " features, expected ", K);
+  const at::Tensor& h = shape.h;
   const int64_t N = h.size(0);
   const BannedRows ban(banned, N, V, "q4_argmax");
   const bool* bp = ban.data;
@@ -1205,9 +1229,7 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
   const uint8_t* qp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const bool vec = has_avx2();
-  const int64_t chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
-  const int64_t per_chunk = std::max<int64_t>(16, (blocks + chunks - 1) / chunks);
-  const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
+  const int64_t per_chunk = shape.per_chunk, n_chunks = shape.n_chunks;
   std::vector<TopList> tops(n_chunks * N, TopList(candidates));
   parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<int32_t> products(N * kQB);
@@ -1231,9 +1253,7 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
   const float* wp = weight.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r) {
-    TopList all(candidates);
-    for (int64_t c = 0; c < n_chunks; ++c)
-      for (const auto& [a, v] : tops[c * N + r].items) all.offer(a, v);
+    const TopList all = merged(tops, n_chunks, N, r, candidates);
     std::vector<int64_t> ids;
     for (const auto& item : all.items) ids.push_back(item.second);
     std::sort(ids.begin(), ids.end());
@@ -1256,17 +1276,10 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
 // sampling, the distribution they are drawn from and tested against, consistently.
 at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& weight, int64_t candidates) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
-              "q4_logits: weight must be a contiguous float32 [V, K] matrix");
-  const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
-  TORCH_CHECK(K % kQ4Chunk == 0 && K <= 16384, "q4_logits: K must be a multiple of 32, at most 16384");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == blocks * kQB * K / 2,
-              "q4_logits: packed must be uint8 [ceil(V/8), K/32, 8, 16]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == V,
-              "q4_logits: scale must be contiguous float32 [V]");
+  const Q4Shape shape(hidden, packed, scale, weight, "q4_logits");
+  const int64_t V = shape.V, K = shape.K, blocks = shape.blocks;
   TORCH_CHECK(candidates >= 0, "q4_logits: candidates must be >= 0");
-  at::Tensor h = as_float_rows(hidden);
-  TORCH_CHECK(h.size(1) == K, "q4_logits: hidden has ", h.size(1), " features, expected ", K);
+  const at::Tensor& h = shape.h;
   const int64_t N = h.size(0);
   at::Tensor out = at::empty({N, V}, h.options());
   if (N == 0) return out;
@@ -1285,9 +1298,7 @@ at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const a
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool vec = has_avx2();
-  const int64_t chunks = std::max<int64_t>(1, at::get_num_threads()) * 4;
-  const int64_t per_chunk = std::max<int64_t>(16, (blocks + chunks - 1) / chunks);
-  const int64_t n_chunks = (blocks + per_chunk - 1) / per_chunk;
+  const int64_t per_chunk = shape.per_chunk, n_chunks = shape.n_chunks;
   const int64_t keep = std::min(candidates, V);
   std::vector<TopList> tops(n_chunks * N, TopList(std::max<int64_t>(keep, 1)));
   parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -1306,9 +1317,7 @@ at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const a
   });
   const float* wp = weight.data_ptr<float>();
   for (int64_t r = 0; r < N && keep > 0; ++r) {
-    TopList all(keep);
-    for (int64_t c = 0; c < n_chunks; ++c)
-      for (const auto& item : tops[c * N + r].items) all.offer(item.first, item.second);
+    const TopList all = merged(tops, n_chunks, N, r, keep);
     for (const auto& item : all.items) {
       const int64_t v = item.second;
       op[r * V + v] = vec ? dot_avx2(hp + r * K, wp + v * K, K) : dot_scalar(hp + r * K, wp + v * K, K);
