@@ -1,5 +1,5 @@
-"""Output heads for greedy decoding: the exact screened int8 head, the drafts' 4-bit head, the
-pruned draft head.
+"""Output heads: the exact screened int8 head of greedy decoding, the compact drafts' 4-bit head
+(greedy proposals and the logits sampled rows draft from), the pruned draft head.
 
 `ScreenedHead`: the head is the widest matrix of the decoder (vocab × d_model: 51865 × 512 for
 base) and greedy decoding needs only its argmax. An int8 copy of the weights is read instead (a
@@ -248,12 +248,13 @@ def quantize_rows8(hidden: torch.Tensor) -> torch.Tensor:
 
 
 class Q4Head:
-    """A draft's greedy head in 4 bits: not exact, a proposal (the target verifies every one).
+    """A compact draft's head in 4 bits, for its greedy proposals (`argmax`) and the logits its
+    sampled rows draft from (`logits`): not exact, proposals (the target verifies every one).
 
     The output head is most of a compact draft's step (base's distilled draft on a Zen 4 EPYC:
     1.1 of 2.0 ms; tiny.en's own head is 51864 x 384). Row v is stored as q_v = round(w_v / s_v)
-    in -7..7, s_v = max|w_v| / 7 (as q_v + 8, a nibble), half the bytes of the int8 screen; a hidden row is
-    rounded to int8 (`quantize_rows8`), the products P_v = q_v . p are exact integers, and the
+    in -7..7, s_v = max|w_v| / 7 (as q_v + 8, a nibble), half the bytes of the int8 screen; a
+    hidden row is rounded to int8 (`quantize_rows8`), the products P_v = q_v . p are exact integers, and the
     approximate logit is fl(fl(P_v) s_v). The `candidates` largest (ties to the lower id) are
     rechecked in float32 (`cpu_ops.gather_dot`) and the best of those (ties to the lower id) is
     the proposal. On real hidden states of base's distilled draft and tiny.en (3 windows, 219
