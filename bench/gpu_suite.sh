@@ -42,13 +42,15 @@ stage() {
   tail -n 3 "$OUT/$name.log"
 }
 
+# what marks a CUDA test in a test file: pytest.mark.cuda, or triton_interp.on_cuda, which applies it
+CUDA_TESTS='mark\.cuda|@on_cuda'
 if [ "$QUICK" = "--quick" ]; then
   DEVICE=cpu; BENCH_FLAGS=(--device cpu --quick); MODEL_FLAGS=(--device cpu --dtype float32 --quick)
   TESTS=(tests/test_graphs.py tests/test_gpu.py tests/test_kernels.py)
   export SPECWHISPER_NO_EXT=${SPECWHISPER_NO_EXT:-1}   # no C++ build in a smoke run
 else
   DEVICE=cuda; BENCH_FLAGS=(--device cuda); MODEL_FLAGS=(--device cuda --dtype float16)
-  mapfile -t TESTS < <(grep -l "mark.cuda" tests/test_*.py)   # only files with cuda tests: no collection of the rest
+  mapfile -t TESTS < <(grep -lE "$CUDA_TESTS" tests/test_*.py)   # only files with cuda tests: no collection of the rest
   { nvidia-smi || true; } > "$OUT/nvidia-smi.txt" 2>&1
   stage install 90 "$PY" -m pip install --no-deps --no-build-isolation -e .
 fi

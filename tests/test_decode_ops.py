@@ -6,15 +6,11 @@ tokens equal to target-only's; and on CUDA at large-v3's shapes, where each row'
 must not depend on the others, in float16 and bfloat16 too."""
 from __future__ import annotations
 
-import importlib.util
-
-from triton_interp import Interpreted  # first: sets TRITON_INTERPRET on a machine without a GPU
+from triton_interp import Interpreted, needs_triton, on_cuda  # first: sets TRITON_INTERPRET on a machine without a GPU
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # float32 products in the interpreter; float16 / bfloat16: one rounding of the input's dtype apart
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
@@ -109,9 +105,7 @@ LARGE_V3 = {"qkv": (1280, 3840, dict(bias=True, ln=True)), "out": (1280, 1280, d
             "fc1": (1280, 5120, dict(bias=True, ln=True, gelu=True)), "fc2": (5120, 1280, dict(bias=True, residual=True))}
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", LARGE_V3)
 def test_cuda_rows_are_independent_and_match_reference(name, dtype):
@@ -213,18 +207,14 @@ def test_interpreted_fused_decoder_verify_pass_equals_single_steps(interpreted, 
     assert torch.equal(one_pass, steps)
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_fused_decoder_verify_pass_equals_single_steps(tmp_path, dtype):
     one_pass, steps = verify_and_steps(tmp_path, "cuda", dtype, None, d_model=256)
     assert torch.equal(one_pass, steps)
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_fused_decoder_matches_the_plain_one(tmp_path, dtype):
     from checkpoints import make_checkpoint
@@ -288,9 +278,7 @@ def test_interpreted_attention_ignores_slots_past_n(interpreted):
     assert torch.equal(interpreted.decode_attention(q, *wide, n), got)
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_cuda_attention_queries_are_independent_and_match_reference(dtype):
     """large-v3's heads: 449 self slots with per-query lengths, 1500 audio frames; a query's bits
@@ -332,9 +320,7 @@ def test_decode_ops_refuse_a_head_size_they_cannot_tile(tmp_path, interpreted):
     assert model.decoder.fused_ops is None
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_engine_on_decode_ops_is_token_exact_in_half_precision(tmp_path, dtype):
     """With rows and queries independent, a speculative engine in half precision (self draft and

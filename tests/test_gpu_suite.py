@@ -52,3 +52,19 @@ def test_gpu_profile_smoke_runs_on_cpu(tmp_path):
         row = profile["widths"][width]
         assert row["eager_ms"] > 0 and row["graphed_ms"] > 0 and row["profile"]["top"], row
     assert profile["engine"]["tokens"] > 0 and profile["engine"]["wall_ms_per_token"] > 0, profile["engine"]
+
+
+def test_gpu_suite_selects_every_file_with_cuda_tests():
+    """On a GPU the suite runs `pytest -m cuda` over the test files its CUDA_TESTS pattern matches
+    (collecting the others would import what a bare GPU image lacks): those files are exactly the
+    ones holding tests marked `cuda`, whatever decorator applies the mark."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    pattern = re.search(r"^CUDA_TESTS='([^']*)'$", script, re.M).group(1)
+    selected = {p.name for p in (ROOT / "tests").glob("test_*.py") if re.search(pattern, p.read_text())}
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                          "tests"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    marked = {line.split("::")[0].split("/")[-1] for line in run.stdout.splitlines() if "::" in line}
+    assert marked, run.stdout + run.stderr
+    assert selected == marked, (selected, marked)

@@ -12,18 +12,14 @@ if not torch.cuda.is_available():
     # the CUDA tests need compiled kernels; the CPU cases load an interpreted copy below.)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util
 import math
 
 import pytest
 
 from specwhisper import sampling as S
 from specwhisper.backends import ops
-from triton_interp import Interpreted
+from triton_interp import Interpreted, needs_triton, on_cuda
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -431,9 +427,7 @@ CUDA_CASES = [(B, k, V, dtype, T, top_p)
               for dtype, (T, top_p) in zip(DTYPES, [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])]
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("B,k,V,dtype,temperature,top_p", CUDA_CASES)
 def test_triton_on_cuda_matches_reference(B, k, V, dtype, temperature, top_p):
     assert ops.which_backend("cuda") == "triton"
@@ -444,18 +438,14 @@ def test_triton_on_cuda_matches_reference(B, k, V, dtype, temperature, top_p):
     assert_same(got, S.speculative_sample_noise(*args))  # and the reference run on the GPU
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("name,args", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
 def test_triton_on_cuda_edge_cases(name, args):
     cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     assert_same(ops.speculative_sample_noise(*cuda_args), S.speculative_sample_noise(*args))
 
 
-@pytest.mark.cuda
-@needs_cuda
-@needs_triton
+@on_cuda
 @pytest.mark.parametrize("N,V,dtype", [(1, 1, "fp32"), (13, 111, "bf16"), (64, 51864, "fp16"),
                                        (33, 51866, "fp32")])
 def test_triton_race_on_cuda_matches_reference(N, V, dtype):

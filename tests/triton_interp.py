@@ -6,6 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -14,6 +15,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def on_cuda(test):
+    """A test of the compiled kernels on a CUDA device: marked `cuda` (bench/gpu_suite.sh runs
+    `pytest -m cuda`), skipped without a device or Triton."""
+    return pytest.mark.cuda(needs_cuda(needs_triton(test)))
 
 
 @contextlib.contextmanager
