@@ -339,11 +339,10 @@ class Decoder(nn.Module):
                 sa, ca = layer.self_attn, layer.encoder_attn
                 w = [sa.fused_weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight,
                      layer.fc1.weight, layer.fc2.weight]
+                b = [sa.fused_bias, sa.out_proj.bias, ca.q_proj.bias, ca.out_proj.bias, layer.fc1.bias, layer.fc2.bias]
                 scales = []
                 if self.int8:
                     w, scales = [q for q, _ in layer.int8], [s for _, s in layer.int8]
-                b = [sa.fused_bias, sa.out_proj.bias, ca.q_proj.bias, ca.out_proj.bias, layer.fc1.bias, layer.fc2.bias]
-                if self.int8:
                     # the int8 products add their biases in float32: widened once here (exactly),
                     # not in every call (a compact draft's bfloat16 biases: 24 conversions a
                     # tiny.en step)
