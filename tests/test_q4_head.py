@@ -86,9 +86,10 @@ def test_packing_is_the_documented_layout():
     lo = (head.packed & 0x0F).long() - 8
     hi = (head.packed >> 4).long() - 8
     q = torch.cat([lo, hi], dim=-1).transpose(1, 2).reshape(16, K)  # [rows, chunk * 32 + feature]
-    assert torch.equal(q[:V], head.q.long()) and (q[V:] == 0).all()
-    assert torch.equal(head.q.float(), (weight / (weight.abs().amax(1, keepdim=True) / 7)).round().clamp(-8, 7))
-    assert head.q.abs().max() == 7
+    want = (weight / (weight.abs().amax(1, keepdim=True) / 7)).round().clamp(-8, 7)
+    assert torch.equal(q[:V].float(), want) and (q[V:] == 0).all()
+    assert torch.equal(head.int4_weights(), q[:V].to(torch.int8))  # what the references read
+    assert q[:V].abs().max() == 7
 
 
 def test_proposals_match_the_exact_argmax_on_clear_winners():

@@ -275,7 +275,6 @@ class Q4Head:
         s = w.abs().amax(dim=1) / 7
         self.scale = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 exactly
         q = (w / self.scale[:, None]).round().clamp(-8, 7)
-        self.q = q.to(torch.int8)  # [V, K] (the reference reads it)
         blocks = -(-V // BLOCK)
         u = torch.full((blocks * BLOCK, K), 8, dtype=torch.uint8)  # padding rows: q = 0
         u[:V] = (q + 8).to(torch.uint8)
@@ -305,18 +304,29 @@ class Q4Head:
         hidden = hidden.float()
         ok = hidden.isfinite().all(dim=1)
         step = torch.where(ok, hidden.abs().amax(dim=1) / 127, 0.0)
-        products = (quantize_rows8(hidden).double() @ self.q.double().T).float()
-        out = products * (self.scale[None, :] * step[:, None])
+        out = self.products(hidden) * (self.scale[None, :] * step[:, None])
         c = min(self.candidates, out.shape[1])
         if c:
             ids = out.sort(dim=1, descending=True, stable=True)[1][:, :c]
             out.scatter_(1, ids, cpu_ops.gather_dot(hidden, self.weight, ids))
         return out
 
+    def int4_weights(self) -> torch.Tensor:
+        """q [V, K] int8 in -7..7, unpacked from `packed` (the references read it; no second copy is
+        kept: base's would be 26.5 MB)."""
+        blocks, chunks = self.packed.shape[:2]
+        u = torch.cat([self.packed & 0x0F, self.packed >> 4], dim=-1)  # [blocks, K/32, 8, 32]
+        q = u.transpose(1, 2).reshape(blocks * BLOCK, chunks * Q4_CHUNK)[:self.weight.shape[0]]
+        return q.to(torch.int8) - 8
+
+    def products(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fl(P) [N, V]: the exact integer products of the int8 rows (`quantize_rows8`) and the
+        4-bit copy (float64 sums of integers < 2^53)."""
+        return (quantize_rows8(hidden).double() @ self.int4_weights().double().T).float()
+
     def approx(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fl(fl(P) s_v) [N, V], P the exact integer products (float64 sums of integers < 2^53)."""
-        products = (quantize_rows8(hidden).double() @ self.q.double().T).float()
-        return products * self.scale[None, :]
+        """fl(fl(P) s_v) [N, V]: the approximate logits `argmax` ranks."""
+        return self.products(hidden) * self.scale[None, :]
 
     def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         hidden = hidden.float()
