@@ -1083,18 +1083,21 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
 // never wins: then the lowest candidate), 0 when every token is banned.
 constexpr int64_t kQ4Chunk = 32;  // features per packed chunk (16 bytes a row)
 
-// p [N, K] int8 and sum(p) [N] from h [N, K] float32 (torch's float32 division and round).
-void quantize_rows8(const float* h, int64_t N, int64_t K, int8_t* p, int32_t* psum) {
+// p [N, K] int8, sum(p) [N] and, if asked, the step s [N] (p = round(h / s), s = max|h| / 127; a
+// zero or non-finite row: p = 0, s = 0) from h [N, K] float32 (torch's float32 division and round).
+void quantize_rows8(const float* h, int64_t N, int64_t K, int8_t* p, int32_t* psum, float* step = nullptr) {
   for (int64_t r = 0; r < N; ++r) {
     const float* x = h + r * K;
     bool finite = true;
     const float mx = abs_max(x, K, finite);
     int8_t* q = p + r * K;
     int32_t sum = 0;
-    if (!finite || mx == 0.0f) {
+    const bool none = !finite || mx == 0.0f;
+    const float s = mx / 127.0f;
+    if (step) step[r] = none ? 0.0f : s;
+    if (none) {
       std::fill(q, q + K, int8_t{0});
     } else {
-      const float s = mx / 127.0f;
       for (int64_t k = 0; k < K; ++k) {
         q[k] = static_cast<int8_t>(std::nearbyint(x[k] / s));
         sum += q[k];
@@ -1285,14 +1288,9 @@ at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const a
   if (N == 0) return out;
   std::vector<int8_t> hq(N * K);
   std::vector<int32_t> hsum(N);
-  std::vector<float> step(N);
-  quantize_rows8(h.data_ptr<float>(), N, K, hq.data(), hsum.data());
+  std::vector<float> step(N);  // the rows' int8 steps: their approximate logits' scale
+  quantize_rows8(h.data_ptr<float>(), N, K, hq.data(), hsum.data(), step.data());
   const float* hp = h.data_ptr<float>();
-  for (int64_t r = 0; r < N; ++r) {
-    bool finite = true;
-    const float mx = abs_max(hp + r * K, K, finite);
-    step[r] = finite ? mx / 127.0f : 0.0f;  // quantize_rows8's step (its p is 0 where this is 0)
-  }
   const int8_t* xq = hq.data();
   const uint8_t* qp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
