@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from specwhisper import Engine, load_audio, log_mel_spectrogram
+from specwhisper import Engine, load_audio, log_mel_spectrogram  # before torch: its huge pages (specwhisper/__init__.py)
+import torch  # noqa: E402, I001
 from specwhisper.backends import cpu_ops
 from specwhisper.engine.draft import compact_draft_head
 from specwhisper.model.whisper import DecoderCache
@@ -388,8 +388,9 @@ def main() -> None:
     windows = synthesize_windows(args.windows, Path(tmp_dir.name))
     mels = [log_mel_spectrogram(a) for a, _ in windows]
     texts = [t for _, t in windows]
-    print(f"CPU: {cpu_model()}; torch kernels {torch.backends.cpu.get_cpu_capability()}", flush=True)
-    result = dict(machine=cpu_model(), threads=args.threads,
+    print(f"CPU: {cpu_model()}; torch kernels {torch.backends.cpu.get_cpu_capability()}; "
+          f"huge pages {cpu_ops.huge_pages()}", flush=True)
+    result = dict(machine=cpu_model(), threads=args.threads, huge_pages=cpu_ops.huge_pages(),
                   torch=torch.__version__, decode_ops=cpu_ops.available(),
                   held_to=os.environ.get("SPECWHISPER_VECTOR_LEVEL") and "AVX2 (--vector-level 1)",
                   window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import specwhisper  # noqa: F401  before torch: the huge pages users get (specwhisper/__init__.py)
 import torch
 
 from checkpoints import make_checkpoint

@@ -95,3 +95,32 @@ def test_a_build_killed_midway_does_not_hang_the_next_import():
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert result.stdout.strip() == "ok"
     assert not (directory / "lock").exists()
+
+
+def test_import_asks_torch_for_huge_pages_unless_told_otherwise():
+    """`import specwhisper` before torch sets THP_MEM_ALLOC_ENABLE=1 for torch's allocator (large
+    tensors in transparent huge pages: a decode step's weights and caches); a value the user set
+    is kept, and with torch imported first the package leaves it alone. `cpu_ops.huge_pages`
+    reports what a fresh tensor really got."""
+    report = "import os; from specwhisper.backends import cpu_ops; print(os.environ.get('THP_MEM_ALLOC_ENABLE'), cpu_ops.huge_pages())"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def run(code, **extra):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra},
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else None
+    first = run("import specwhisper; " + report)
+    assert first.startswith("1 ")
+    if mode == "madvise" or mode == "always":
+        assert "on (THP" in first, first
+    else:
+        assert "off" in first, first
+    opted_out = run("import specwhisper; " + report, THP_MEM_ALLOC_ENABLE="0")
+    assert opted_out.startswith("0 ")
+    if mode == "madvise":
+        assert opted_out.startswith("0 off"), opted_out
+    assert run("import torch; import specwhisper; " + report).startswith("None ")

@@ -217,6 +217,31 @@ def strict_mkl() -> bool:
         return False
 
 
+@functools.cache
+def huge_pages() -> str:
+    """Whether torch's allocator puts this process's large tensors in transparent huge pages
+    (set up by `import specwhisper` before torch: `THP_MEM_ALLOC_ENABLE`), as a phrase for
+    benchmark headers: a fresh 8 MB tensor is written and the process's AnonHugePages read
+    before and after (Linux); anything else reads "off"."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "off (no transparent huge pages here)"
+
+    def anon_huge_kb() -> int:
+        text = Path("/proc/self/smaps_rollup").read_text()
+        return next(int(line.split()[1]) for line in text.splitlines() if line.startswith("AnonHugePages"))
+
+    try:
+        before = anon_huge_kb()
+        probe = torch.ones(2 << 20)  # 8 MB
+        grew = anon_huge_kb() - before >= 2048
+        del probe
+    except (OSError, StopIteration, ValueError):
+        return f"unknown (THP {mode})"
+    return f"on (THP {mode})" if grew else f"off (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})"
+
+
 def bf16_draft_encoder() -> bool:
     """Whether a compact draft's own encoder runs in bfloat16 (`Backend.compact_draft`): with AMX.
     With AVX512-BF16 alone fbgemm's int8 projections (VNNI) are faster: tiny.en's encoder and

@@ -113,6 +113,7 @@ def run_demo(target: str, drafts: list[str], target_name: str, k: int | None, th
     import torch
 
     from .. import Engine, load_audio, log_mel_spectrogram
+    from ..backends import cpu_ops
     from ..samples import demo_recording
     from ..wer import wer
     from .fetch import MODELS
@@ -124,7 +125,7 @@ def run_demo(target: str, drafts: list[str], target_name: str, k: int | None, th
     if seconds is not None:
         audio = audio[: int(seconds * SAMPLE_RATE)]
     duration = len(audio) / SAMPLE_RATE
-    print(f"CPU: {cpu_name()}, {threads} threads; vector level: {vector_level()}")
+    print(f"CPU: {cpu_name()}, {threads} threads; vector level: {vector_level()}; huge pages: {cpu_ops.huge_pages()}")
     print(f"Recording: {path.name}, {duration:.1f} s, four voices (reference transcript beside it)")
 
     status("loading models ...")
