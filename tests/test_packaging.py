@@ -115,7 +115,7 @@ def test_import_asks_torch_for_huge_pages_unless_told_otherwise():
     mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else None
     first = run("import specwhisper; " + report)
     assert first.startswith("1 ")
-    if mode == "madvise" or mode == "always":
+    if mode in ("madvise", "always"):
         assert "on (THP" in first, first
     else:
         assert "off" in first, first

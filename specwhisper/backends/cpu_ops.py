@@ -239,7 +239,9 @@ def huge_pages() -> str:
         del probe
     except (OSError, StopIteration, ValueError):
         return f"unknown (THP {mode})"
-    return f"on (THP {mode})" if grew else f"off (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})"
+    if grew:
+        return f"on (THP {mode})"
+    return f"off (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})"
 
 
 def bf16_draft_encoder() -> bool:
