@@ -219,10 +219,11 @@ def strict_mkl() -> bool:
 
 @functools.cache
 def huge_pages() -> str:
-    """Whether torch's allocator puts this process's large tensors in transparent huge pages
-    (set up by `import specwhisper` before torch: `THP_MEM_ALLOC_ENABLE`), as a phrase for
-    benchmark headers: a fresh 8 MB tensor is written and the process's AnonHugePages read
-    before and after (Linux); anything else reads "off"."""
+    """Whether this process's large tensors sit in transparent huge pages (torch's allocator with
+    `THP_MEM_ALLOC_ENABLE`, which `import specwhisper` sets before torch starts), as a phrase for
+    benchmark headers (Linux; anything else reads "off"). On when the process already holds huge
+    pages (a loaded model's weights), or when a fresh 8 MB tensor gets some: late in a process
+    such a tensor may reuse memory faulted in 4 KB pages, so the first test alone could miss it."""
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
     except (OSError, IndexError):
@@ -235,12 +236,12 @@ def huge_pages() -> str:
     try:
         before = anon_huge_kb()
         probe = torch.ones(2 << 20)  # 8 MB
-        grew = anon_huge_kb() - before >= 2048
+        after = anon_huge_kb()
         del probe
     except (OSError, StopIteration, ValueError):
         return f"unknown (THP {mode})"
-    if grew:
-        return f"on (THP {mode})"
+    if after >= 2048:
+        return f"on (THP {mode}: {after // 1024} MB of this process)"
     return f"off (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})"
 
 
