@@ -221,9 +221,10 @@ def strict_mkl() -> bool:
 def huge_pages() -> str:
     """Whether this process's large tensors sit in transparent huge pages (torch's allocator with
     `THP_MEM_ALLOC_ENABLE`, which `import specwhisper` sets before torch starts), as a phrase for
-    benchmark headers (Linux; anything else reads "off"). On when the process already holds huge
-    pages (a loaded model's weights), or when a fresh 8 MB tensor gets some: late in a process
-    such a tensor may reuse memory faulted in 4 KB pages, so the first test alone could miss it."""
+    benchmark headers (Linux; anything else reads "off"). On when a fresh 8 MB tensor gets huge
+    pages, or when the process already holds 64 MB of them (a loaded model's weights: late in a
+    process such a tensor may reuse memory faulted in 4 KB pages). A few MB that other libraries
+    hold do not count: with THP_MEM_ALLOC_ENABLE=0 a demo process held 4 MB."""
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
     except (OSError, IndexError):
@@ -240,7 +241,7 @@ def huge_pages() -> str:
         del probe
     except (OSError, StopIteration, ValueError):
         return f"unknown (THP {mode})"
-    if after >= 2048:
+    if after - before >= 2048 or after >= 64 << 10:
         return f"on (THP {mode}: {after // 1024} MB of this process)"
     return f"off (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})"
 
