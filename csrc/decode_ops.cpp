@@ -1786,14 +1786,42 @@ at::Tensor commit_tokens(at::Tensor tokens, at::Tensor n_tokens, at::Tensor done
 }
 
 // ------------------------------------------------------------------ whole decoder blocks
+// f() (a torch op) on the calling thread alone when it is not the main thread. There, torch's
+// layer_norm over a few rows (and gelu over many) would start an OpenMP team of this thread's
+// own beside the ops' workers (see SpinPool); its spinning threads slowed the rest of the step
+// (base, 2 threads, cold, alternated in one process, a step called from a second thread: 1 row
+// 5.9-6.6 -> 5.2-5.5 ms, 5 rows 7.9-8.7 -> 6.7 ms; in the main thread 4.9 and 5.7 ms). One
+// thread's ICV: the main thread and the other threads keep theirs.
+template <typename F>
+at::Tensor on_this_thread(const F& f) {
+#ifdef _OPENMP
+  if (!main_thread()) {
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(1);
+    at::Tensor out;
+    try {
+      out = f();
+    } catch (...) {
+      omp_set_num_threads(before);
+      throw;
+    }
+    omp_set_num_threads(before);
+    return out;
+  }
+#endif
+  return f();
+}
+
 // All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
 // the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
 // step (≈ 16 ops a layer). params: 18 tensors per layer, in the order of `layer_params` in
-// model/whisper.py. Caches: [n_layers, B, H, S, D] views.
+// model/whisper.py. Caches: [n_layers, B, H, S, D] views. final_weight / final_bias: the decoder's
+// last layer_norm, applied here too (None: the blocks' output).
 at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const at::Tensor& self_k,
                           const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v,
                           const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,
-                          int64_t n_heads, double eps) {
+                          int64_t n_heads, double eps, const c10::optional<at::Tensor>& final_weight,
+                          const c10::optional<at::Tensor>& final_bias) {
   const int64_t L = self_k.size(0);
   const int64_t per = static_cast<int64_t>(params.size()) / std::max<int64_t>(1, L);
   TORCH_CHECK((per == 18 || per == 24) && per * L == static_cast<int64_t>(params.size()),
@@ -1808,17 +1836,22 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
       if (w.scalar_type() == at::kChar) return linear_q8(a, w, p[scale_at++], b);
       return linear_rows(a, w, b, c10::nullopt);
     };
-    at::Tensor qkv = linear(at::layer_norm(x, {d}, p[0], p[1], eps), p[2], p[3]).view({B, T, 3, n_heads, Dh});
+    auto norm = [&](int i) { return on_this_thread([&] { return at::layer_norm(x, {d}, p[i], p[i + 1], eps); }); };
+    auto residual = [&](const at::Tensor& y) { x = on_this_thread([&] { return x + y; }); };
+    at::Tensor qkv = linear(norm(0), p[2], p[3]).view({B, T, 3, n_heads, Dh});
     at::Tensor sk = self_k.select(0, l), sv = self_v.select(0, l);
     kv_write(sk, sv, qkv.select(2, 1), qkv.select(2, 2), write_pos);
     at::Tensor a = decode_attention(qkv.select(2, 0), sk, sv, n_self, scale);
-    x = x + linear(a, p[4], p[5]);
-    at::Tensor q = linear(at::layer_norm(x, {d}, p[6], p[7], eps), p[8], p[9]);
+    residual(linear(a, p[4], p[5]));
+    at::Tensor q = linear(norm(6), p[8], p[9]);
     a = decode_attention(q.view({B, T, n_heads, Dh}), cross_k.select(0, l), cross_v.select(0, l), n_cross, scale);
-    x = x + linear(a, p[10], p[11]);
-    at::Tensor h = at::gelu(linear(at::layer_norm(x, {d}, p[12], p[13], eps), p[14], p[15]));
-    x = x + linear(h, p[16], p[17]);
+    residual(linear(a, p[10], p[11]));
+    at::Tensor f = linear(norm(12), p[14], p[15]);
+    at::Tensor h = on_this_thread([&] { return at::gelu(f); });
+    residual(linear(h, p[16], p[17]));
   }
+  if (final_weight.has_value())  // the decoder's last layer_norm
+    return on_this_thread([&] { return at::layer_norm(x, {d}, final_weight, final_bias, eps); });
   return x;
 }
 
@@ -1845,7 +1878,7 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
   m.def("set_vector_level(int level) -> int");
-  m.def("decoder_layers(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, Tensor write_pos, Tensor n_self, Tensor n_cross, int n_heads, float eps) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, Tensor write_pos, Tensor n_self, Tensor n_cross, int n_heads, float eps, Tensor? final_weight=None, Tensor? final_bias=None) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");

@@ -4,6 +4,8 @@ other rows of the batch or on how many positions run at once (fp32 and bf16); th
 exact relative to itself (speculative == target-only)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -348,6 +350,44 @@ def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     (a, ca), (b, cb) = out
     assert torch.equal(a, b)
     assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_fused_step_off_the_main_thread_keeps_torch_ops_on_it(head64):
+    """Off the main thread (an engine's loop thread), the step's own torch ops (layer_norm over
+    several rows, gelu, the residual adds) run on the calling thread: they start no OpenMP team
+    of its own beside the ops' workers, and the hidden states have the main thread's bits."""
+    import threading
+
+    model, features, gen = decoder_setup(head64, torch.float32, batch=1)
+    dec = model.model.decoder
+    tokens, pos = torch.randint(0, 50000, (1, 5), generator=gen), torch.arange(5)[None]
+
+    def in_thread(record, cache):
+        try:
+            with torch.inference_mode():
+                before = len(os.listdir("/proc/self/task"))
+                record.append(dec.hidden(tokens, pos, cache))
+                record.append((before, len(os.listdir("/proc/self/task"))))  # while this thread lives
+        except Exception as exc:  # reported below
+            record.append(exc)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        caches = [fresh_cache(model, features, torch.float32) for _ in range(3)]  # their GEMMs here
+        expected = dec.hidden(tokens, pos, caches[0])
+        warm, seen = [], []
+        for record, cache in ((warm, caches[1]), (seen, caches[2])):  # the first starts the ops' workers
+            t = threading.Thread(target=in_thread, args=(record, cache))
+            t.start()
+            t.join(timeout=120)
+    finally:
+        torch.set_num_threads(threads_before)
+    assert len(seen) == 2 and not isinstance(seen[0], Exception), seen
+    assert torch.equal(seen[0], expected)
+    before, after = seen[1]
+    assert after == before, f"the step started {after - before} threads"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -158,11 +158,14 @@ def attention(q, k_cache, v_cache, n_keys, scale):
     return attention_reference(q, k_cache, v_cache, n_keys, scale)
 
 
-def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross, n_heads, eps):
+def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross, n_heads, eps,
+                   final_norm=None):
     """Every decoder layer of one step in one C++ call: `model.whisper.DecoderLayer.forward_rows` per
-    layer, the same ops in the same order (callers check `active` first)."""
+    layer, the same ops in the same order (callers check `active` first); then `final_norm`'s
+    layer_norm (weight, bias) when given."""
+    weight, bias = final_norm if final_norm is not None else (None, None)
     return _ops().decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross,
-                                 n_heads, eps)
+                                 n_heads, eps, weight, bias)
 
 
 def commit_tokens(tokens, n_tokens, done, budget, slots, choice, n_emit, eot: int):

@@ -309,9 +309,10 @@ class Decoder(nn.Module):
             if kernel is not None:
                 for layer, self_k, self_v, cross_k, cross_v in layers:
                     x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
-            elif self.fused_step:  # every layer in one C++ call (the same ops as forward_rows)
-                x = cpu_ops.decoder_layers(x, self.layer_params(), *rows, write_pos, n_self, n_cross,
-                                           self.layers[0].self_attn.n_heads, self.layers[0].self_attn_layer_norm.eps)
+            elif self.fused_step:  # every layer and the last norm in one C++ call (the same ops)
+                return cpu_ops.decoder_layers(x, self.layer_params(), *rows, write_pos, n_self, n_cross,
+                                              self.layers[0].self_attn.n_heads, self.layer_norm.eps,
+                                              (self.layer_norm.weight, self.layer_norm.bias))
             else:
                 for layer, self_k, self_v, cross_k, cross_v in layers:
                     x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
