@@ -1796,8 +1796,8 @@ template <typename F>
 at::Tensor on_this_thread(const F& f) {
 #ifdef _OPENMP
   if (!main_thread()) {
-    const int before = omp_get_max_threads();
-    omp_set_num_threads(1);
+    const int before = static_cast<int>(at::get_num_threads());  // first: torch's first use in a
+    omp_set_num_threads(1);                                       // thread sets its count
     at::Tensor out;
     try {
       out = f();
@@ -1855,6 +1855,66 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
   return x;
 }
 
+// A whole decoder step (spec: model/whisper.py `Decoder.hidden`): the embeddings of tokens [B, T] at
+// positions input_pos [B, T], every layer (decoder_layers) and the last norm, on the first B rows of
+// the whole caches ([n_layers, rows, H, S, D]) with kv_len slots attended; a position past the
+// embeddings' last writes the scratch slot. The same bits as Decoder.hidden's ops from Python,
+// without their ~12 calls, each slow on the caches a step's streaming leaves cold (base, 2 threads,
+// cold, alternated in one process: 1 row 4.61 -> 4.50 ms, 5 rows 5.47 -> 5.34; held to AVX2
+// 4.63 -> 4.51, 5.58 -> 5.52).
+template <typename T>
+void embed_rows(const int64_t* tok, const int64_t* pos, int64_t M, int64_t last, const T* te, const T* pe, int64_t d,
+                T* x) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* a = te + tok[m] * d;
+    const T* b = pe + std::min(pos[m], last) * d;
+    for (int64_t i = 0; i < d; ++i) x[m * d + i] = static_cast<T>(widen(a[i]) + widen(b[i]));  // torch's add
+  }
+}
+
+at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, const at::Tensor& token_embedding,
+                        const at::Tensor& position_embedding, at::TensorList params, const at::Tensor& self_k,
+                        const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v, int64_t kv_len,
+                        int64_t n_heads, double eps, const at::Tensor& final_weight, const at::Tensor& final_bias) {
+  TORCH_CHECK(tokens.dim() == 2 && input_pos.sizes() == tokens.sizes(), "decoder_step: tokens and input_pos [B, T]");
+  TORCH_CHECK(token_embedding.dim() == 2 && position_embedding.dim() == 2 && token_embedding.is_contiguous() &&
+              position_embedding.is_contiguous() && token_embedding.scalar_type() == position_embedding.scalar_type() &&
+              token_embedding.size(1) == position_embedding.size(1),
+              "decoder_step: embeddings must be contiguous [N, d] matrices of one dtype");
+  TORCH_CHECK(token_embedding.scalar_type() == at::kFloat || token_embedding.scalar_type() == at::kBFloat16,
+              "decoder_step: float32 or bfloat16 embeddings");
+  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, d = token_embedding.size(1);
+  const int64_t V = token_embedding.size(0), last = position_embedding.size(0) - 1, S = self_k.size(3);
+  TORCH_CHECK(self_k.dim() == 5 && B <= self_k.size(1) && B <= cross_k.size(1), "decoder_step: ", B,
+              " rows, the caches hold ", self_k.size(1));
+  TORCH_CHECK(kv_len >= 1, "decoder_step: kv_len ", kv_len, " < 1");
+  const at::Tensor tok = tokens.to(at::kLong).contiguous(), pos = input_pos.to(at::kLong).contiguous();
+  const int64_t *tp = tok.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  const auto long_opts = tok.options();
+  at::Tensor write_pos = at::empty({B, T}, long_opts), n_self = at::empty({B, T}, long_opts),
+             n_cross = at::full({B, T}, cross_k.size(3), long_opts);
+  int64_t *wp = write_pos.data_ptr<int64_t>(), *np = n_self.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(tp[m] >= 0 && tp[m] < V, "decoder_step: token ", tp[m], " outside the vocabulary (", V, ")");
+    TORCH_CHECK(pp[m] >= 0, "decoder_step: negative position ", pp[m]);
+    wp[m] = std::min(pp[m], std::min(last + 1, kv_len - 1));  // past the end: the scratch slot
+    np[m] = std::min(pp[m], std::min(last, kv_len - 1)) + 1;  // real slots up to the position
+  }
+  at::Tensor x = at::empty({B, T, d}, token_embedding.options());
+  if (token_embedding.scalar_type() == at::kFloat)
+    embed_rows(tp, pp, M, last, token_embedding.data_ptr<float>(), position_embedding.data_ptr<float>(), d,
+               x.data_ptr<float>());
+  else
+    embed_rows(tp, pp, M, last, reinterpret_cast<const bf16*>(token_embedding.data_ptr()),
+               reinterpret_cast<const bf16*>(position_embedding.data_ptr()), d, reinterpret_cast<bf16*>(x.data_ptr()));
+  auto rows = [&](const at::Tensor& c, bool self) {
+    at::Tensor r = c.narrow(1, 0, B);
+    return self ? r.narrow(3, 0, std::min(kv_len, S)) : r;  // Python's [:kv_len]
+  };
+  return decoder_layers(x, params, rows(self_k, true), rows(self_v, true), rows(cross_k, false), rows(cross_v, false),
+                        write_pos, n_self, n_cross, n_heads, eps, final_weight, final_bias);
+}
+
 // How many threads at::parallel_for really uses in this extension (a build without OpenMP
 // silently runs every op on one thread; tests check this equals torch.get_num_threads()).
 // Lower (or restore) the vector level the ops use -> the previous limit (tests: every path).
@@ -1878,7 +1938,7 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
   m.def("set_vector_level(int level) -> int");
-  m.def("decoder_layers(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, Tensor write_pos, Tensor n_self, Tensor n_cross, int n_heads, float eps, Tensor? final_weight=None, Tensor? final_bias=None) -> Tensor");
+  m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
@@ -1900,7 +1960,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
   m.impl("commit_tokens", &commit_tokens);
-  m.impl("decoder_layers", &decoder_layers);
+  m.impl("decoder_step", &decoder_step);
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);

@@ -352,6 +352,20 @@ def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
 
 
+def test_fused_step_names_a_bad_token_or_position(head64):
+    """The one-call step checks what the embeddings would: a token outside the vocabulary or a
+    negative position is a clear error, before anything is written."""
+    model, features, gen = decoder_setup(head64, torch.float32, batch=1)
+    dec, vocab = model.model.decoder, model.config.vocab_size
+    cache = fresh_cache(model, features, torch.float32)
+    before = cache.self_k.clone()
+    with pytest.raises(RuntimeError, match=f"token {vocab} outside the vocabulary"):
+        dec.hidden(torch.tensor([[1, vocab]]), torch.tensor([[0, 1]]), cache)
+    with pytest.raises(RuntimeError, match="negative position -1"):
+        dec.hidden(torch.tensor([[1]]), torch.tensor([[-1]]), cache)
+    assert torch.equal(cache.self_k, before)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_fused_step_off_the_main_thread_keeps_torch_ops_on_it(head64):
     """Off the main thread (an engine's loop thread), the step's own torch ops (layer_norm over

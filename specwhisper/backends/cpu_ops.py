@@ -9,8 +9,9 @@ ninja on first use) beside the PyTorch reference of each op, with the same signa
 - `attention(q [B, T, H, D], k_cache, v_cache [B, H, S, D], n_keys [B, T], scale)`: each query reads
   keys 0..n_keys-1 -> [B, T, H * D].
 - `kv_write(k_cache, v_cache, k, v, pos [B, T])`: cache[b, :, pos[b, t]] = new[b, t].
-- `decoder_layers(...)`: all decoder layers of a step in one call (the ops above, in the order
-  of `model.whisper.DecoderLayer.forward_rows`): no per-op Python overhead.
+- `decoder_step(decoder, tokens, input_pos, cache, kv_len)`: a whole decoder step in one call (the
+  embeddings, the ops above in the order of `model.whisper.DecoderLayer.forward_rows`, the last
+  norm): no per-op Python overhead.
 
 Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory bandwidth and
 2-3 rows as repeated GEMVs; these ops read every weight once for all rows, and compute each
@@ -158,14 +159,15 @@ def attention(q, k_cache, v_cache, n_keys, scale):
     return attention_reference(q, k_cache, v_cache, n_keys, scale)
 
 
-def decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross, n_heads, eps,
-                   final_norm=None):
-    """Every decoder layer of one step in one C++ call: `model.whisper.DecoderLayer.forward_rows` per
-    layer, the same ops in the same order (callers check `active` first); then `final_norm`'s
-    layer_norm (weight, bias) when given."""
-    weight, bias = final_norm if final_norm is not None else (None, None)
-    return _ops().decoder_layers(x, params, self_k, self_v, cross_k, cross_v, write_pos, n_self, n_cross,
-                                 n_heads, eps, weight, bias)
+def decoder_step(decoder, tokens, input_pos, cache, kv_len: int):
+    """`decoder.hidden(tokens, input_pos, cache, kv_len)` in one C++ call: the embeddings, every layer
+    (`model.whisper.DecoderLayer.forward_rows`'s ops in its order) and the last norm, with the same
+    bits (callers check `active` first)."""
+    first = decoder.layers[0]
+    return _ops().decoder_step(tokens, input_pos, decoder.embed_tokens.weight, decoder.embed_positions.weight,
+                               decoder.layer_params(), cache.self_k, cache.self_v, cache.cross_k, cache.cross_v,
+                               kv_len, first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
+                               decoder.layer_norm.bias)
 
 
 def commit_tokens(tokens, n_tokens, done, budget, slots, choice, n_emit, eot: int):

@@ -294,6 +294,11 @@ class Decoder(nn.Module):
         b = tokens.shape[0]
         last = self.embed_positions.num_embeddings - 1  # the last real position (447)
         s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
+        if self.fused_step and self.fused_ops is None and cpu_ops.active(tokens) and \
+                self.embed_tokens.weight.device.type == "cpu" and \
+                getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
+            # all of the below (the forward_rows branch) and the last norm in one C++ call
+            return cpu_ops.decoder_step(self, tokens, input_pos, cache, s)
         write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
         rows = (cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b])
@@ -309,10 +314,6 @@ class Decoder(nn.Module):
             if kernel is not None:
                 for layer, self_k, self_v, cross_k, cross_v in layers:
                     x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
-            elif self.fused_step:  # every layer and the last norm in one C++ call (the same ops)
-                return cpu_ops.decoder_layers(x, self.layer_params(), *rows, write_pos, n_self, n_cross,
-                                              self.layers[0].self_attn.n_heads, self.layer_norm.eps,
-                                              (self.layer_norm.weight, self.layer_norm.bias))
             else:
                 for layer, self_k, self_v, cross_k, cross_v in layers:
                     x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
