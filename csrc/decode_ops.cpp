@@ -216,16 +216,19 @@ bool has_avx2() { return vector_level() >= 1; }
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
+// hsum8's additions (below): (l0+l4, l1+l5, l2+l6, l3+l7) -> (a0+a2, a1+a3) -> b0+b1
+inline float hsum8_scalar(const float* lane) {
+  const float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
 template <typename W>
 float dot_scalar(const float* x, const W* w, int64_t K) {
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= K; k += 8)
     for (int l = 0; l < 8; ++l) lane[l] = std::fma(widen(w[k + l]), x[k + l], lane[l]);
-  // same order as hsum8 below: (l0+l4, l1+l5, l2+l6, l3+l7) -> (a0+a2, a1+a3) -> b0+b1
-  float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
-  float b0 = a0 + a2, b1 = a1 + a3;
-  float s = b0 + b1;
+  float s = hsum8_scalar(lane);
   for (; k < K; ++k) s = std::fma(widen(w[k]), x[k], s);
   return s;
 }
@@ -903,8 +906,7 @@ float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t k = 0; k < K; k += 8)
     for (int l = 0; l < 8; ++l) lane[l] = std::fma(static_cast<float>(blk[k * kQB + 8 * j + l]), x[k + l], lane[l]);
-  float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
-  return (a0 + a2) + (a1 + a3);
+  return hsum8_scalar(lane);
 }
 
 // The screen's bookkeeping, 8 tokens v..v+7 (all < V) of one row at a time, with the scalar
@@ -1470,8 +1472,7 @@ float softmax_weights_scalar(float* scores, int64_t n, float best) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
     for (int l = 0; l < 8; ++l) lane[l] += scores[j + l] = exp_scalar(scores[j + l] - best);
-  float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
-  float total = (a0 + a2) + (a1 + a3);
+  float total = hsum8_scalar(lane);
   for (; j < n; ++j) total += scores[j] = exp_scalar(scores[j] - best);
   return total;
 }
@@ -1785,33 +1786,186 @@ at::Tensor commit_tokens(at::Tensor tokens, at::Tensor n_tokens, at::Tensor done
   return m_out;
 }
 
-// ------------------------------------------------------------------ whole decoder blocks
-// f() (a torch op) on the calling thread alone when it is not the main thread. There, torch's
-// layer_norm over a few rows (and gelu over many) would start an OpenMP team of this thread's
-// own beside the ops' workers (see SpinPool); its spinning threads slowed the rest of the step
-// (base, 2 threads, cold, alternated in one process, a step called from a second thread: 1 row
-// 5.9-6.6 -> 5.2-5.5 ms, 5 rows 7.9-8.7 -> 6.7 ms; in the main thread 4.9 and 5.7 ms). One
-// thread's ICV: the main thread and the other threads keep theirs.
-template <typename F>
-at::Tensor on_this_thread(const F& f) {
-#ifdef _OPENMP
-  if (!main_thread()) {
-    const int before = static_cast<int>(at::get_num_threads());  // first: torch's first use in a
-    omp_set_num_threads(1);                                       // thread sets its count
-    at::Tensor out;
-    try {
-      out = f();
-    } catch (...) {
-      omp_set_num_threads(before);
-      throw;
-    }
-    omp_set_num_threads(before);
-    return out;
+// ------------------------------------------------------------------ layer norm and gelu
+// A step's layer norms, gelu and residual adds (spec: backends/cpu_ops.py `layer_norm_reference`,
+// `gelu_reference`; equal to float rounding, the gelu's erf within 1.5e-7). torch's own norm and
+// gelu took 12 and 27 us a call in a profiled step (on the caches a step's streaming leaves cold);
+// with these, alternated in one process (2 threads of a Zen 4 EPYC, cold): base's step for 1 row
+// 5.40 -> 5.07 ms, 5 rows 6.26 -> 5.99 (held to AVX2 5.03 -> 4.77, 6.07 -> 6.02); compact draft
+// steps base-2l 0.94 -> 0.82 ms, tiny.en 2.09 -> 1.81 (AVX2 1.04 -> 0.94, 1.54 -> 1.32). And
+// no torch op of a step starts an OpenMP team of its own off the main thread (see SpinPool). The
+// AVX2 and scalar forms do the same operations in the same order.
+// The mean of x[0..d) and the mean of (x - mean)^2: 8 lane sums over whole groups of 8 (the
+// squares as a product then a sum), hsum8's order, then the tail.
+__attribute__((target("avx2,fma"))) std::pair<float, float> moments(const float* x, int64_t d, bool vec) {
+  int64_t i = 0;
+  float total;
+  if (vec) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+    total = hsum8(acc);
+  } else {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; i + 8 <= d; i += 8)
+      for (int l = 0; l < 8; ++l) lane[l] = lane[l] + x[i + l];
+    total = hsum8_scalar(lane);
   }
-#endif
-  return f();
+  for (; i < d; ++i) total = total + x[i];
+  const float mean = total / static_cast<float>(d);
+  i = 0;
+  if (vec) {
+    const __m256 mean8 = _mm256_set1_ps(mean);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) {
+      const __m256 t = _mm256_sub_ps(_mm256_loadu_ps(x + i), mean8);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(t, t));
+    }
+    total = hsum8(acc);
+  } else {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; i + 8 <= d; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        const float t = x[i + l] - mean;
+        lane[l] = lane[l] + t * t;
+      }
+    total = hsum8_scalar(lane);
+  }
+  for (; i < d; ++i) {
+    const float t = x[i] - mean;
+    total = total + t * t;
+  }
+  return {mean, total / static_cast<float>(d)};
 }
 
+// y = (x - mean) * rstd * w + b over each row of x [M, d]; mean and the (biased) variance in
+// float32, rstd = 1 / sqrt(var + eps). T: x's and y's dtype, P: the parameters'.
+template <typename T, typename P>
+__attribute__((target("avx2,fma"))) void layer_norm_rows(const T* x, int64_t M, int64_t d, const P* w, const P* b,
+                                                        float eps, T* y, bool vec) {
+  std::vector<float> row(d), wf(d), bf(d);
+  for (int64_t i = 0; i < d; ++i) wf[i] = widen(w[i]), bf[i] = widen(b[i]);
+  for (int64_t m = 0; m < M; ++m) {
+    float* r = row.data();  // the row in float32, normalized in place, then rounded to T
+    for (int64_t i = 0; i < d; ++i) r[i] = widen(x[m * d + i]);
+    const auto [mean, var] = moments(r, d, vec);
+    const float rstd = 1.0f / std::sqrt(var + eps);
+    int64_t i = 0;
+    if (vec) {
+      const __m256 mean8 = _mm256_set1_ps(mean), rstd8 = _mm256_set1_ps(rstd);
+      for (; i + 8 <= d; i += 8) {
+        const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(r + i), mean8), rstd8);
+        _mm256_storeu_ps(r + i, _mm256_add_ps(_mm256_mul_ps(t, _mm256_loadu_ps(&wf[i])), _mm256_loadu_ps(&bf[i])));
+      }
+    }
+    for (; i < d; ++i) r[i] = (r[i] - mean) * rstd * wf[i] + bf[i];
+    for (int64_t j = 0; j < d; ++j) y[m * d + j] = static_cast<T>(r[j]);
+  }
+}
+
+// erf (Abramowitz & Stegun 7.1.26, absolute error below 1.5e-7): for a = |x|, t = 1 / (1 + p a),
+// erf = 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-a^2), with x's sign.
+constexpr float kErfP = 0.3275911f, kErfA1 = 0.254829592f, kErfA2 = -0.284496736f, kErfA3 = 1.421413741f,
+                kErfA4 = -1.453152027f, kErfA5 = 1.061405429f;
+
+inline float gelu_scalar(float x) {
+  const float a = std::fabs(x * 0.70710678118654752f);
+  const float t = 1.0f / (1.0f + kErfP * a);
+  float poly = kErfA5;
+  poly = poly * t + kErfA4;
+  poly = poly * t + kErfA3;
+  poly = poly * t + kErfA2;
+  poly = poly * t + kErfA1;
+  const float e = 1.0f - poly * t * exp_scalar(-(a * a));
+  const float erf = x < 0.0f ? -e : e;
+  return 0.5f * x * (1.0f + erf);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 gelu_avx2(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign, _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)));
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(_mm256_set1_ps(kErfP), a)));
+  __m256 poly = _mm256_set1_ps(kErfA5);
+  poly = _mm256_add_ps(_mm256_mul_ps(poly, t), _mm256_set1_ps(kErfA4));
+  poly = _mm256_add_ps(_mm256_mul_ps(poly, t), _mm256_set1_ps(kErfA3));
+  poly = _mm256_add_ps(_mm256_mul_ps(poly, t), _mm256_set1_ps(kErfA2));
+  poly = _mm256_add_ps(_mm256_mul_ps(poly, t), _mm256_set1_ps(kErfA1));
+  const __m256 ex = exp_avx2(_mm256_xor_ps(sign, _mm256_mul_ps(a, a)));
+  const __m256 e = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(_mm256_mul_ps(poly, t), ex));
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 erf = _mm256_blendv_ps(e, _mm256_xor_ps(sign, e), negative);
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.0f), erf));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void gelu_values(const T* x, int64_t n, T* y, bool vec) {
+  int64_t i = 0;
+  if (vec && std::is_same<T, float>::value) {
+    const float* xf = reinterpret_cast<const float*>(x);
+    float* yf = reinterpret_cast<float*>(y);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(yf + i, gelu_avx2(_mm256_loadu_ps(xf + i)));
+  }
+  for (; i < n; ++i) y[i] = static_cast<T>(gelu_scalar(widen(x[i])));
+}
+
+at::Tensor step_layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(x.device().is_cpu() && weight.numel() == d && bias.numel() == d && weight.is_contiguous() &&
+              bias.is_contiguous() && weight.scalar_type() == bias.scalar_type(),
+              "layer_norm: x [..., d] with contiguous weight and bias [d] of one dtype on the CPU");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t M = d > 0 ? xc.numel() / d : 0;
+  const bool vec = has_avx2();
+  const float e = static_cast<float>(eps);
+  auto run = [&](auto tag_t, auto tag_p) {
+    using T = decltype(tag_t);
+    using P = decltype(tag_p);
+    layer_norm_rows(reinterpret_cast<const T*>(xc.data_ptr()), M, d, reinterpret_cast<const P*>(weight.data_ptr()),
+                    reinterpret_cast<const P*>(bias.data_ptr()), e, reinterpret_cast<T*>(y.data_ptr()), vec);
+  };
+  const bool xb = x.scalar_type() == at::kBFloat16, pb = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((xb || x.scalar_type() == at::kFloat) && (pb || weight.scalar_type() == at::kFloat),
+              "layer_norm: float32 or bfloat16");
+  if (xb && pb) run(bf16(), bf16());
+  else if (xb) run(bf16(), 0.0f);
+  else if (pb) run(0.0f, bf16());
+  else run(0.0f, 0.0f);
+  return y;
+}
+
+at::Tensor step_gelu(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gelu: float32 or bfloat16 CPU tensors");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  if (x.scalar_type() == at::kFloat)
+    gelu_values(xc.data_ptr<float>(), xc.numel(), y.data_ptr<float>(), has_avx2());
+  else
+    gelu_values(reinterpret_cast<const bf16*>(xc.data_ptr()), xc.numel(), reinterpret_cast<bf16*>(y.data_ptr()),
+                has_avx2());
+  return y;
+}
+
+// a + b for same-shaped float32 or bfloat16 tensors: torch's add (a float32 sum, rounded once).
+at::Tensor step_add(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), "step_add: same shapes and dtypes");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor out = at::empty_like(ac);
+  const int64_t n = ac.numel();
+  if (a.scalar_type() == at::kFloat) {
+    const float *x = ac.data_ptr<float>(), *y = bc.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+  } else {
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16, "step_add: float32 or bfloat16");
+    const bf16 *x = reinterpret_cast<const bf16*>(ac.data_ptr()), *y = reinterpret_cast<const bf16*>(bc.data_ptr());
+    bf16* o = reinterpret_cast<bf16*>(out.data_ptr());
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<bf16>(widen(x[i]) + widen(y[i]));
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ whole decoder blocks
 // All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
 // the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
 // step (≈ 16 ops a layer). params: 18 tensors per layer, in the order of `layer_params` in
@@ -1836,8 +1990,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
       if (w.scalar_type() == at::kChar) return linear_q8(a, w, p[scale_at++], b);
       return linear_rows(a, w, b, c10::nullopt);
     };
-    auto norm = [&](int i) { return on_this_thread([&] { return at::layer_norm(x, {d}, p[i], p[i + 1], eps); }); };
-    auto residual = [&](const at::Tensor& y) { x = on_this_thread([&] { return x + y; }); };
+    auto norm = [&](int i) { return step_layer_norm(x, p[i], p[i + 1], eps); };
+    auto residual = [&](const at::Tensor& y) { x = step_add(x, y); };
     at::Tensor qkv = linear(norm(0), p[2], p[3]).view({B, T, 3, n_heads, Dh});
     at::Tensor sk = self_k.select(0, l), sv = self_v.select(0, l);
     kv_write(sk, sv, qkv.select(2, 1), qkv.select(2, 2), write_pos);
@@ -1847,11 +2001,11 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
     a = decode_attention(q.view({B, T, n_heads, Dh}), cross_k.select(0, l), cross_v.select(0, l), n_cross, scale);
     residual(linear(a, p[10], p[11]));
     at::Tensor f = linear(norm(12), p[14], p[15]);
-    at::Tensor h = on_this_thread([&] { return at::gelu(f); });
+    at::Tensor h = step_gelu(f);
     residual(linear(h, p[16], p[17]));
   }
   if (final_weight.has_value())  // the decoder's last layer_norm
-    return on_this_thread([&] { return at::layer_norm(x, {d}, final_weight, final_bias, eps); });
+    return step_layer_norm(x, *final_weight, *final_bias, eps);
   return x;
 }
 
@@ -1939,6 +2093,8 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
   m.def("set_vector_level(int level) -> int");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias) -> Tensor");
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
+  m.def("gelu(Tensor x) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
@@ -1961,6 +2117,8 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("kv_write", &kv_write);
   m.impl("commit_tokens", &commit_tokens);
   m.impl("decoder_step", &decoder_step);
+  m.impl("layer_norm", &step_layer_norm);
+  m.impl("gelu", &step_gelu);
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);

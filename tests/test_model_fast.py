@@ -150,6 +150,33 @@ def test_every_vector_level_gives_the_same_bits(wdtype, K):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [7, 64, 100, 512])  # 7, 100: a scalar tail after the groups of 8
+def test_layer_norm_and_gelu_match_reference_with_the_same_bits_at_every_level(dtype, d):
+    """The step's own layer norm and gelu equal torch's to float rounding (the gelu's erf is
+    Abramowitz & Stegun 7.1.26, within 1.5e-7), and the scalar, AVX2 and AVX-512 forms give
+    equal bits."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, d, generator=gen) * 3 + 1).to(dtype)
+    weight, bias = torch.randn(d, generator=gen).to(dtype), torch.randn(d, generator=gen).to(dtype)
+    values = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([-1e30, -100.0, -0.0, 0.0, 1e-30, 100.0, 1e30]),
+                        torch.randn(3 * d, generator=gen) * 4]).to(dtype)
+    results = []
+    for level in (2, 1, 0):
+        with cpu_ops.vector_level(level):
+            results.append((cpu_ops.layer_norm(x, weight, bias, 1e-5), cpu_ops.gelu(values)))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    norm, gelu = results[0]
+    tol = 2e-6 if dtype == torch.float32 else 2.0**-7
+    ref = cpu_ops.layer_norm_reference(x, weight, bias, 1e-5).float()
+    assert (norm.float() - ref).abs().max() <= tol * ref.abs().max()
+    ref = cpu_ops.gelu_reference(values).float()
+    big = values.float().abs() > 1e20  # 1e30: the product overflows inside torch's formula too
+    assert torch.equal(gelu.float()[big], ref[big])
+    assert ((gelu.float() - ref).abs() <= tol * ref.abs().clamp(min=1.0))[~big].all()
+
+
 def test_vector_level_from_the_environment():
     """SPECWHISPER_VECTOR_LEVEL holds the ops to a level from their first use (bench/cpu.py
     --vector-level 1 measures an AVX2-only CPU that way); a value outside 0..2 is refused."""

@@ -218,16 +218,21 @@ class DecoderLayer(nn.Module):
         sa, ca = self.self_attn, self.encoder_attn
         B, T, _ = x.shape
         H, Dh = sa.n_heads, sa.head_dim
-        qkv = cpu_ops.linear(self.self_attn_layer_norm(x), sa.fused_weight, sa.fused_bias)
+        qkv = cpu_ops.linear(norm(self.self_attn_layer_norm, x), sa.fused_weight, sa.fused_bias)
         q, k, v = qkv.view(B, T, 3, H, Dh).unbind(2)  # [B, T, H, Dh] each
         cpu_ops.kv_write(self_k, self_v, k, v, write_pos)
         a = cpu_ops.attention(q, self_k, self_v, n_self, Dh**-0.5)
         x = x + cpu_ops.linear(a, sa.out_proj.weight, sa.out_proj.bias)
-        q = cpu_ops.linear(self.encoder_attn_layer_norm(x), ca.q_proj.weight, ca.q_proj.bias)
+        q = cpu_ops.linear(norm(self.encoder_attn_layer_norm, x), ca.q_proj.weight, ca.q_proj.bias)
         a = cpu_ops.attention(q.view(B, T, H, Dh), cross_k, cross_v, n_cross, Dh**-0.5)
         x = x + cpu_ops.linear(a, ca.out_proj.weight, ca.out_proj.bias)
-        h = F.gelu(cpu_ops.linear(self.final_layer_norm(x), self.fc1.weight, self.fc1.bias))
+        h = cpu_ops.gelu(cpu_ops.linear(norm(self.final_layer_norm, x), self.fc1.weight, self.fc1.bias))
         return x + cpu_ops.linear(h, self.fc2.weight, self.fc2.bias)
+
+
+def norm(layer: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` with the CPU decode ops' layer norm (`cpu_ops.layer_norm`), the decoder step's."""
+    return cpu_ops.layer_norm(x, layer.weight, layer.bias, layer.eps)
 
 
 class Decoder(nn.Module):
@@ -314,10 +319,10 @@ class Decoder(nn.Module):
             if kernel is not None:
                 for layer, self_k, self_v, cross_k, cross_v in layers:
                     x = layer.forward_fused(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel)
-            else:
-                for layer, self_k, self_v, cross_k, cross_v in layers:
-                    x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
-            return self.layer_norm(x)
+                return self.layer_norm(x)
+            for layer, self_k, self_v, cross_k, cross_v in layers:
+                x = layer.forward_rows(x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v)
+            return norm(self.layer_norm, x)
         slots = torch.arange(s, device=tokens.device)
         mask = ((slots <= input_pos[:, :, None]) & (slots <= last))[:, None]  # [B, 1, T, S]
         for layer, self_k, self_v, cross_k, cross_v in layers:
