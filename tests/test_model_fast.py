@@ -394,10 +394,10 @@ def test_fused_step_names_a_bad_token_or_position(head64):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_fused_step_off_the_main_thread_keeps_torch_ops_on_it(head64):
-    """Off the main thread (an engine's loop thread), the step's own torch ops (layer_norm over
-    several rows, gelu, the residual adds) run on the calling thread: they start no OpenMP team
-    of its own beside the ops' workers, and the hidden states have the main thread's bits."""
+def test_fused_step_off_the_main_thread_starts_no_threads(head64):
+    """Off the main thread (an engine's loop thread) a step starts no OpenMP team of that thread's
+    own beside the ops' workers (torch's layer_norm over several rows did, and its spinning threads
+    slowed the step), and the hidden states have the main thread's bits."""
     import threading
 
     model, features, gen = decoder_setup(head64, torch.float32, batch=1)
