@@ -1795,6 +1795,7 @@ at::Tensor commit_tokens(at::Tensor tokens, at::Tensor n_tokens, at::Tensor done
 // steps base-2l 0.94 -> 0.82 ms, tiny.en 2.09 -> 1.81 (AVX2 1.04 -> 0.94, 1.54 -> 1.32). And
 // no torch op of a step starts an OpenMP team of its own off the main thread (see SpinPool). The
 // AVX2 and scalar forms do the same operations in the same order.
+
 // The mean of x[0..d) and the mean of (x - mean)^2: 8 lane sums over whole groups of 8 (the
 // squares as a product then a sum), hsum8's order, then the tail.
 __attribute__((target("avx2,fma"))) std::pair<float, float> moments(const float* x, int64_t d, bool vec) {
@@ -1969,13 +1970,11 @@ at::Tensor step_add(const at::Tensor& a, const at::Tensor& b) {
 // All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
 // the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
 // step (≈ 16 ops a layer). params: 18 tensors per layer, in the order of `layer_params` in
-// model/whisper.py. Caches: [n_layers, B, H, S, D] views. final_weight / final_bias: the decoder's
-// last layer_norm, applied here too (None: the blocks' output).
+// model/whisper.py. Caches: [n_layers, B, H, S, D] views.
 at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const at::Tensor& self_k,
                           const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v,
                           const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,
-                          int64_t n_heads, double eps, const c10::optional<at::Tensor>& final_weight,
-                          const c10::optional<at::Tensor>& final_bias) {
+                          int64_t n_heads, double eps) {
   const int64_t L = self_k.size(0);
   const int64_t per = static_cast<int64_t>(params.size()) / std::max<int64_t>(1, L);
   TORCH_CHECK((per == 18 || per == 24) && per * L == static_cast<int64_t>(params.size()),
@@ -2004,8 +2003,6 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
     at::Tensor h = step_gelu(f);
     residual(linear(h, p[16], p[17]));
   }
-  if (final_weight.has_value())  // the decoder's last layer_norm
-    return step_layer_norm(x, *final_weight, *final_bias, eps);
   return x;
 }
 
@@ -2038,9 +2035,9 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
   TORCH_CHECK(token_embedding.scalar_type() == at::kFloat || token_embedding.scalar_type() == at::kBFloat16,
               "decoder_step: float32 or bfloat16 embeddings");
   const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, d = token_embedding.size(1);
-  const int64_t V = token_embedding.size(0), last = position_embedding.size(0) - 1, S = self_k.size(3);
   TORCH_CHECK(self_k.dim() == 5 && B <= self_k.size(1) && B <= cross_k.size(1), "decoder_step: ", B,
               " rows, the caches hold ", self_k.size(1));
+  const int64_t V = token_embedding.size(0), last = position_embedding.size(0) - 1, S = self_k.size(3);
   TORCH_CHECK(kv_len >= 1, "decoder_step: kv_len ", kv_len, " < 1");
   const at::Tensor tok = tokens.to(at::kLong).contiguous(), pos = input_pos.to(at::kLong).contiguous();
   const int64_t *tp = tok.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
@@ -2065,8 +2062,9 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
     at::Tensor r = c.narrow(1, 0, B);
     return self ? r.narrow(3, 0, std::min(kv_len, S)) : r;  // Python's [:kv_len]
   };
-  return decoder_layers(x, params, rows(self_k, true), rows(self_v, true), rows(cross_k, false), rows(cross_v, false),
-                        write_pos, n_self, n_cross, n_heads, eps, final_weight, final_bias);
+  x = decoder_layers(x, params, rows(self_k, true), rows(self_v, true), rows(cross_k, false), rows(cross_v, false),
+                     write_pos, n_self, n_cross, n_heads, eps);
+  return step_layer_norm(x, final_weight, final_bias, eps);  // the decoder's last norm
 }
 
 // How many threads at::parallel_for really uses in this extension (a build without OpenMP

@@ -299,18 +299,15 @@ class Decoder(nn.Module):
         b = tokens.shape[0]
         last = self.embed_positions.num_embeddings - 1  # the last real position (447)
         s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
-        if self.fused_step and self.fused_ops is None and cpu_ops.active(tokens) and \
-                self.embed_tokens.weight.device.type == "cpu" and \
-                getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"):
-            # all of the below (the forward_rows branch) and the last norm in one C++ call
+        kernel = self.fused_ops  # the GPU decode ops (`Whisper.fuse_decode_ops`), or None
+        cpu = kernel is None and cpu_ops.active(self.embed_tokens.weight) \
+            and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v")
+        if cpu and self.fused_step:  # all of the forward_rows branch below in one C++ call
             return cpu_ops.decoder_step(self, tokens, input_pos, cache, s)
         write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
         rows = (cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b])
         layers = zip(self.layers, *rows)
-        kernel = self.fused_ops  # the GPU decode ops (`Whisper.fuse_decode_ops`), or None
-        cpu = kernel is None and cpu_ops.active(x) \
-            and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v")
         if cpu or kernel is not None:  # the row-independent ops: per-query slot counts, no mask
             # a query reads real slots up to its position, never the scratch slot
             n_self = (input_pos.clamp(max=min(last, s - 1)) + 1).long().contiguous()  # [B, T]
