@@ -521,6 +521,21 @@ def test_draft_length_rule():
     near.on = True  # the same estimate keeps a draft that is on
     assert near.pays()
     assert step(clear, True, 0.1) == 0 and clear.k > 0 and clear.on
+    # once every live row's draft has started (`paid`: their windows' encoder passes are spent),
+    # the setup is left out: the same off draft near its margin switches back on there, and a
+    # draft worth it only without its setup (c = 0.3: 1.01 with it, 1.36 without) keeps drafting in
+    # such a window but starts in no new one
+    near.paid = True
+    assert near.pays() and step(near, True, 0.22) == 0 and near.k > 0 and near.on
+    costly = hovering(0.3)
+    assert costly.best()[1] < costly.MARGIN and not costly.pays()
+    costly.paid = True
+    assert costly.best()[1] > costly.START_MARGIN and costly.pays()
+    costly.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
+    assert costly.k > 0 and costly.on
+    costly.paid = False
+    costly.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
+    assert costly.k == 0 and not costly.on
 
     # a measured rate that switched a draft off in one window does not keep it off in the next:
     # the window's end leaves it the weight of NEW_WINDOW_TOKENS, so the model decides again (and
@@ -540,6 +555,46 @@ def test_draft_length_rule():
     fixed = DraftLength(5)
     fixed.update(5, [0], [False], 1.0, 1.0)
     assert fixed.k == 5
+
+
+def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pay_one():
+    """`Speculation` tells the adaptive k whether the setup is spent: after an iteration where
+    every row goes on with its draft started, yes; after one where a row ended (its slot takes a
+    window whose draft has not started), no; and a decision made for spent setups is made again
+    when a window has been admitted since, before its draft's encoder pass is paid."""
+    from types import SimpleNamespace
+
+    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.runner import Progress
+    from specwhisper.engine.speculation import Speculation
+
+    rule = DraftLength(None)
+    rule.window_tokens = 80.0
+    rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.1 + 0.1 * r for r in range(8)],
+                   cost_ratio=0.3, setup_seconds=20.0)  # pays without its setup only (as above)
+    pending = [False]
+    spec = SimpleNamespace(use_draft=True, num_draft_tokens=None, prompt=[1, 2, 3])
+    runner = SimpleNamespace(specs=lambda B: [spec] * B, drafts_pending=lambda B: pending[0],
+                             hosts=[SimpleNamespace(budget=100, n=10, spec=spec)], start_drafts=lambda B: 0,
+                             sync_draft=lambda B: None)
+    # each iteration costs what the calibration says (a draft step 0.3, a pass over r rows v(r))
+    clock = SimpleNamespace(mark=lambda: None,
+                            intervals=lambda: (0.3 * control.k, rule.verify_ratio[control.k + 1]))
+    backend = SimpleNamespace(clock=lambda: clock, calibrates=False, synchronize=lambda: None)
+    control = Speculation(runner, SimpleNamespace(length=rule, shared_encoder=False), backend)
+
+    def iteration(done: bool) -> int:
+        k = control.begin(1)
+        # no proposal counted (-1): the acceptance stays the prior, so only `paid` moves the decision
+        control.end(Progress(done=[done], n_tokens=[20], accepted=[-1], draft_len=[20]))
+        return k
+
+    assert iteration(False) == 0 and rule.paid and rule.k > 0  # a window whose draft had started
+    assert iteration(False) > 0 and rule.paid
+    iteration(True)  # the window ends: the next decision counts the next window's setup
+    assert not rule.paid and rule.k == 0
+    rule.paid, rule.k, pending[0] = True, 3, True  # decided for spent setups; a window came in since
+    assert control.begin(1) == 0 and not rule.paid and rule.k == 0
 
 
 def test_plain_steps_right_after_speculation_are_not_timed():

@@ -53,6 +53,9 @@ class Speculation:
         """After the iteration's host read (`Runner.progress`): feed the adaptive k."""
         self.clock.mark()
         if self.rule is not None:
+            # the next decision may leave the setup out if every row goes on in a window whose
+            # draft has started (a row that ends here makes room for a window yet to pay one)
+            self.rule.paid = not any(progress.done) and not self.runner.drafts_pending(len(progress.done))
             draft_seconds, verify_seconds = self.clock.intervals()
             self.rule.update(self.k, progress.accepted, progress.done, draft_seconds=draft_seconds,
                              verify_seconds=verify_seconds)
@@ -79,6 +82,11 @@ class Speculation:
             # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
             probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
                                  and self.runner.drafts_pending(B))
+            if rule.paid and self.runner.drafts_pending(B):
+                # decided for windows whose setup was spent; a window admitted since pays its own
+                rule.paid = False
+                if rule.k > 0 and not rule.pays():
+                    rule.k = 0
             k = max(k, 0 if probe_needs_setup else rule.k)
         room = max(h.budget - h.n for h in self.runner.hosts[:B]) - 1
         return max(0, min(k, MAX_DRAFT_TOKENS, room)), rule
