@@ -952,9 +952,11 @@ struct BannedRows {
   }
 };
 
-at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
-                           const at::Tensor& bound, const at::Tensor& weight, double tiny,
-                           const c10::optional<at::Tensor>& banned) {
+// -> (argmax [N], the approximate logits [N, V] the screen computed, banned tokens included).
+std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidden, const at::Tensor& packed,
+                                                          const at::Tensor& scale, const at::Tensor& bound,
+                                                          const at::Tensor& weight, double tiny,
+                                                          const c10::optional<at::Tensor>& banned) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
               "screened_argmax: weight must be a contiguous float32 [V, K] matrix");
   const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
@@ -971,10 +973,10 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
   const bool* bp = ban.data;
   const int64_t banned_stride = ban.stride;
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
-  if (N == 0) return out;
+  at::Tensor approx = at::empty({N, blocks * kQB}, h.options());
+  if (N == 0) return {out, approx.narrow(1, 0, V)};
   TORCH_CHECK(K <= 65536, "screened_argmax: at most 65536 features");
   at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
-  at::Tensor approx = at::empty({N, blocks * kQB}, h.options());
   std::vector<int16_t> hq(N * K);  // the rows in 16 bits, and their scales (quantize_rows16)
   std::vector<float> hs(N);
   quantize_rows16(h.data_ptr<float>(), N, K, hq.data(), hs.data());
@@ -1065,7 +1067,13 @@ at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, c
       op[r] = best_id < 0 ? 0 : best_id;  // every token banned: 0, like argmax over all -inf
     }
   });
-  return out;
+  return {out, approx.narrow(1, 0, V)};
+}
+
+at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& bound, const at::Tensor& weight, double tiny,
+                           const c10::optional<at::Tensor>& banned) {
+  return std::get<0>(screened_argmax_approx(hidden, packed, scale, bound, weight, tiny, banned));
 }
 
 // ------------------------------------------------------------------ int4 draft head
@@ -2097,6 +2105,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
+  m.def("screened_argmax_approx(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> (Tensor, Tensor)");
   m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
@@ -2109,6 +2118,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("gather_dot", &gather_dot);
   m.impl("linear_q8", &linear_q8);
   m.impl("screened_argmax", &screened_argmax);
+  m.impl("screened_argmax_approx", &screened_argmax_approx);
   m.impl("q4_argmax", &q4_argmax);
   m.impl("q4_logits", &q4_logits);
   m.impl("decode_attention", &decode_attention);

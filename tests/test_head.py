@@ -228,6 +228,42 @@ def test_timestamp_argmax_is_the_ruled_argmax_of_the_full_logits():
     assert torch.equal(undecided, gap.abs() < 1e-3)
 
 
+def test_timestamp_argmax_reads_exact_timestamp_logits_only_where_the_screen_cannot_decide(monkeypatch):
+    """The screen's upper bounds decide most rows for the text token without the exact timestamp
+    logits; the tokens and undecided rows are those of the exact comparison on every row (the
+    PyTorch path, which has no screen bounds, reads the timestamp logits of every row)."""
+    import specwhisper.model.head as head_module
+
+    weight, tables, _, banned, hidden = timestamp_case(rows=300, seed=2)
+    tb = tables.timestamp_begin
+    banned[0] = True  # nothing allowed
+    banned[1, :tb] = True  # only timestamps
+    banned[2, tb:] = True  # only text
+    head = ScreenedHead(weight)
+    read = []  # rows whose exact timestamp logits were computed, per call
+
+    def spy(x, w, *args, **kwargs):
+        if w.shape[0] == len(weight) - tb:
+            read.append(x.shape[0])
+        return linear(x, w, *args, **kwargs)
+
+    linear = head_module.cpu_ops.linear
+    monkeypatch.setattr(head_module.cpu_ops, "linear", spy)
+    tokens, undecided = head.timestamp_argmax(hidden, banned, tb)
+    if cpu_ops.active(hidden):  # the C++ screen: its bounds decide some rows, not all
+        assert len(read) == 1 and 30 < read[0] < 250, read
+    else:
+        assert read == [300]
+    with cpu_ops.reference():
+        every_row = head.timestamp_argmax(hidden, banned, tb)
+    assert read[-1] == 300
+    assert torch.equal(tokens, every_row[0]) and torch.equal(undecided, every_row[1])
+    # the rows the bounds decide are among those the exact comparison gives text tokens, clear of the margin
+    logits = cpu_ops.linear(hidden, weight, None, torch.float32).masked_fill(banned, -float("inf")).double()
+    gap = logits[:, tb:].logsumexp(dim=1) - logits[:, :tb].max(dim=1).values
+    assert int((gap < -1e-3).sum()) >= 300 - read[0]
+
+
 def test_timestamp_argmax_margins_and_fully_banned_rows():
     weight, tables, _, banned, hidden = timestamp_case(rows=40, seed=1)
     head = ScreenedHead(weight)
