@@ -952,11 +952,15 @@ struct BannedRows {
   }
 };
 
-// -> (argmax [N], the approximate logits [N, V] the screen computed, banned tokens included).
-std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidden, const at::Tensor& packed,
-                                                          const at::Tensor& scale, const at::Tensor& bound,
-                                                          const at::Tensor& weight, double tiny,
-                                                          const c10::optional<at::Tensor>& banned) {
+// The screen with the vocabulary split at `split` (Whisper's first timestamp; V: no split)
+// -> (the exact argmax over the allowed tokens below it [N] (0 if none), its exact float32 logit
+// [N] (gather_dot's arithmetic; -inf if none), and an upper bound on the log-sum-exp of the
+// allowed tokens' logits from it on [N] float64: log Σ exp(fl(a_v + b_v)) in float64, each term
+// bounding its exact logit from above (-inf if none)). Spec: head.py `ScreenedHead.split_reference`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> screened_split(const at::Tensor& hidden, const at::Tensor& packed,
+                                                              const at::Tensor& scale, const at::Tensor& bound,
+                                                              const at::Tensor& weight, double tiny,
+                                                              const c10::optional<at::Tensor>& banned, int64_t split) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2,
               "screened_argmax: weight must be a contiguous float32 [V, K] matrix");
   const int64_t V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
@@ -972,11 +976,14 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidd
   const BannedRows ban(banned, N, V, "screened_argmax");
   const bool* bp = ban.data;
   const int64_t banned_stride = ban.stride;
+  TORCH_CHECK(split >= 0 && split <= V, "screened_argmax: split ", split, " outside 0..", V);
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
-  at::Tensor approx = at::empty({N, blocks * kQB}, h.options());
-  if (N == 0) return {out, approx.narrow(1, 0, V)};
+  at::Tensor out_best = at::empty({N}, h.options());
+  at::Tensor out_lse = at::empty({N}, h.options().dtype(at::kDouble));
+  if (N == 0) return {out, out_best, out_lse};
   TORCH_CHECK(K <= 65536, "screened_argmax: at most 65536 features");
   at::Tensor hnorm = h.norm(2, {1}).contiguous();  // same as torch's hidden.norm(dim=1)
+  at::Tensor approx = at::empty({N, blocks * kQB}, h.options());
   std::vector<int16_t> hq(N * K);  // the rows in 16 bits, and their scales (quantize_rows16)
   std::vector<float> hs(N);
   quantize_rows16(h.data_ptr<float>(), N, K, hq.data(), hs.data());
@@ -1021,7 +1028,7 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidd
         for (int64_t r = 0; r < N; ++r) {
           const bool* bn = bp ? bp + r * banned_stride : nullptr;
           const int64_t v0 = b * kQB;
-          if (vec && v0 + kQB <= V) {
+          if (vec && v0 + kQB <= split) {
             screen8_floor(ap + r * ld + v0, sp + v0, hs[r], cp + v0, hn[r], tiny_f, bn ? bn + v0 : nullptr,
                           lanes.data() + r * kQB);
             continue;
@@ -1030,7 +1037,7 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidd
           for (int64_t v = v0; v < std::min(V, v0 + kQB); ++v) {
             const float a = ap[r * ld + v] * (sp[v] * hs[r]);
             ap[r * ld + v] = a;
-            if (bn && bn[v]) continue;
+            if ((bn && bn[v]) || v >= split) continue;
             fl = std::max(fl, a - (hn[r] * cp[v] + tiny_f));
           }
         }
@@ -1040,7 +1047,10 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidd
     }
   });
   int64_t* op = out.data_ptr<int64_t>();
-  // pass 2 (parallel over rows): candidates and their exact logits
+  float* obest = out_best.data_ptr<float>();
+  double* olse = out_lse.data_ptr<double>();
+  // pass 2 (parallel over rows): candidates below the split and their exact logits; the upper
+  // log-sum-exp from the split on
   parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float floor = -INFINITY;
@@ -1056,24 +1066,46 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax_approx(const at::Tensor& hidd
       };
       int64_t v = 0;
       if (vec)
-        for (; v + kQB <= V; v += kQB)
+        for (; v + kQB <= split; v += kQB)
           for (int bits = screen8_candidates(a + v, cp + v, hn[r], tiny_f, bn ? bn + v : nullptr, floor); bits;
                bits &= bits - 1)
             consider(v + __builtin_ctz(bits));
-      for (; v < V; ++v) {
+      for (; v < split; ++v) {
         if (bn && bn[v]) continue;
         if (a[v] + (hn[r] * cp[v] + tiny_f) >= floor) consider(v);
       }
       op[r] = best_id < 0 ? 0 : best_id;  // every token banned: 0, like argmax over all -inf
+      obest[r] = best_id < 0 ? -INFINITY : best;
+      olse[r] = -INFINITY;
+      if (split == V) continue;
+      // the upper bounds fl(a + b) as the screen's comparisons form them; a NaN bound makes the
+      // sum NaN (a NaN row: no bound decides anything)
+      double top = -INFINITY, total = 0.0;
+      bool nan = false;
+      for (int64_t u = split; u < V; ++u) {
+        if (bn && bn[u]) continue;
+        const float up = a[u] + (hn[r] * cp[u] + tiny_f);
+        nan |= std::isnan(up);
+        top = std::max(top, static_cast<double>(up));
+      }
+      if (nan || top == -INFINITY || top == INFINITY) {
+        olse[r] = nan ? NAN : top;
+        continue;
+      }
+      for (int64_t u = split; u < V; ++u) {
+        if (bn && bn[u]) continue;
+        total += std::exp(static_cast<double>(a[u] + (hn[r] * cp[u] + tiny_f)) - top);
+      }
+      olse[r] = top + std::log(total);
     }
   });
-  return {out, approx.narrow(1, 0, V)};
+  return {out, out_best, out_lse};
 }
 
 at::Tensor screened_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& bound, const at::Tensor& weight, double tiny,
                            const c10::optional<at::Tensor>& banned) {
-  return std::get<0>(screened_argmax_approx(hidden, packed, scale, bound, weight, tiny, banned));
+  return std::get<0>(screened_split(hidden, packed, scale, bound, weight, tiny, banned, weight.size(0)));
 }
 
 // ------------------------------------------------------------------ int4 draft head
@@ -2105,7 +2137,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
-  m.def("screened_argmax_approx(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> (Tensor, Tensor)");
+  m.def("screened_split(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned, int split) -> (Tensor, Tensor, Tensor)");
   m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
@@ -2118,7 +2150,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("gather_dot", &gather_dot);
   m.impl("linear_q8", &linear_q8);
   m.impl("screened_argmax", &screened_argmax);
-  m.impl("screened_argmax_approx", &screened_argmax_approx);
+  m.impl("screened_split", &screened_split);
   m.impl("q4_argmax", &q4_argmax);
   m.impl("q4_logits", &q4_logits);
   m.impl("decode_attention", &decode_attention);

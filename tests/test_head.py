@@ -264,6 +264,34 @@ def test_timestamp_argmax_reads_exact_timestamp_logits_only_where_the_screen_can
     assert int((gap < -1e-3).sum()) >= 300 - read[0]
 
 
+def test_screened_split_matches_its_reference():
+    """`ScreenedHead.split` (one C++ pass) against `split_reference`: the same argmax below the
+    split and the same bits of its logit; the upper log-sum-exp from the split on within float64
+    rounding of the reference's, and above the exact one. Splits inside and at the edges of the
+    8-token blocks; rows with nothing allowed below or above the split, a zero row, a NaN row."""
+    weight, tables, _, banned, hidden = timestamp_case(rows=64, seed=4)
+    head = ScreenedHead(weight)
+    V = len(weight)
+    hidden[3] = 0.0
+    hidden[4, 7] = float("nan")
+    exact = cpu_ops.linear(hidden, weight, None, torch.float32).double()
+    for split in (tables.timestamp_begin, 517, 8, 0, V):
+        b = banned.clone()
+        b[0, :split] = True
+        b[1, split:] = True
+        arg, best, lse = head.split(hidden, b, split)
+        ref_arg, ref_best, ref_lse = head.split_reference(hidden, b, split, bounds=True)
+        ok = torch.ones(len(hidden), dtype=torch.bool)
+        ok[4] = False  # the NaN row: no argmax to compare, and no bound
+        assert torch.equal(arg[ok], ref_arg[ok]) and torch.equal(best[ok], ref_best[ok]), split
+        assert bool(lse[4].isnan()) == (split < V) and bool(ref_lse[4].isnan()) == (split < V)
+        assert torch.allclose(lse[ok], ref_lse[ok], rtol=1e-12, atol=0, equal_nan=False) or split == V, split
+        true_lse = exact.masked_fill(b, -float("inf"))[:, split:].logsumexp(dim=1)
+        assert bool((lse[ok] >= true_lse[ok]).all()), split
+        if 0 < split < V:
+            assert best[0] == -float("inf") and lse[1] == -float("inf")
+
+
 def test_timestamp_argmax_margins_and_fully_banned_rows():
     weight, tables, _, banned, hidden = timestamp_case(rows=40, seed=1)
     head = ScreenedHead(weight)

@@ -168,10 +168,9 @@ def screened_argmax(hidden, packed, scale, bound, weight, tiny, banned):
     return _ops().screened_argmax(hidden, packed, scale, bound, weight, tiny, banned)
 
 
-def screened_argmax_approx(hidden, packed, scale, bound, weight, tiny, banned):
-    """`screened_argmax`, and the approximate logits [N, V] its screen computed (`ScreenedHead.approx`'s
-    values, banned tokens included)."""
-    return _ops().screened_argmax_approx(hidden, packed, scale, bound, weight, tiny, banned)
+def screened_split(hidden, packed, scale, bound, weight, tiny, banned, split: int):
+    """The C++ form of `head.ScreenedHead.split_reference` (callers check `active` first)."""
+    return _ops().screened_split(hidden, packed, scale, bound, weight, tiny, banned, split)
 
 
 def q4_argmax(hidden, packed, scale, weight, candidates, banned):

@@ -188,29 +188,23 @@ class ScreenedHead:
         to be used: the caller decides them from full logits).
 
         Most rows need no exact timestamp logit: the screen's upper bounds on them (fl(ã + b),
-        see the module docstring) bound their log-sum-exp from above, and where that bound stays
-        below the best text logit by more than `margin`, the rule cannot force a timestamp and no
-        timestamp beats the text token (a maximum is at most the log-sum-exp): the row's token is
-        the text token, as the exact comparison would decide. Only the other rows (a timestamp
-        near or ahead: on the demo recording 5 of 386 steps undecided by the bounds, plus those
-        that end a segment) read the exact timestamp rows. The same tokens and undecided rows
-        either way; on a CPU, a long-form step 0.5 ms less (the 3 MB slice, cold)."""
+        see the module docstring) bound their log-sum-exp from above (`split`), and where that
+        bound stays below the best text logit by more than `margin`, the rule cannot force a
+        timestamp and no timestamp beats the text token (a maximum is at most the log-sum-exp):
+        the row's token is the text token, as the exact comparison would decide. Only the other
+        rows (a timestamp near or ahead) read the exact timestamp rows. The same tokens and
+        undecided rows either way (the PyTorch path reads every row's)."""
         hidden = hidden.float()
         tb = timestamp_begin
-        text_banned = banned.clone()
-        text_banned[:, tb:] = True
-        no_text = text_banned.all(dim=1)
-        text_arg, approx = self.argmax_and_approx(hidden, text_banned)
-        text_best = cpu_ops.gather_dot(hidden, self.weight, text_arg[:, None])[:, 0]
-        text_best = text_best.masked_fill(no_text, -float("inf"))
-        tokens, undecided = text_arg.clone(), torch.zeros_like(no_text)
-        exact = torch.ones_like(no_text)
-        if approx is not None:
-            upper = approx[:, tb:] + (hidden.norm(dim=1, keepdim=True) * self.bound[tb:] + TINY)
-            lse_upper = upper.double().masked_fill_(banned[:, tb:], -float("inf")).logsumexp(dim=1)
-            # 1e-9: beyond the float64 rounding of either log-sum-exp (values of a few tens)
-            exact = ~(lse_upper - text_best.double() < -(margin + 1e-9))  # nan (nothing allowed): exact
-        rows = exact.nonzero()[:, 0]
+        fast = cpu_ops.active(hidden) and self.packed is not None
+        text_arg, text_best, lse_upper = (self.split if fast else self.split_reference)(hidden, banned, tb)
+        tokens, undecided = text_arg.clone(), torch.zeros(len(text_arg), dtype=torch.bool, device=hidden.device)
+        if lse_upper is None:
+            rows = torch.arange(len(text_arg), device=hidden.device)
+        else:
+            # 1e-9: beyond the float64 rounding of either log-sum-exp (values of a few tens); nan
+            # (nothing allowed, or a NaN row) falls to the exact comparison
+            rows = (~(lse_upper - text_best.double() < -(margin + 1e-9))).nonzero()[:, 0]
         if len(rows) == 0:
             return tokens, undecided
         ts = cpu_ops.linear(hidden[rows], self.tail(tb), None, torch.float32)  # [n, V - tb]
@@ -224,13 +218,30 @@ class ScreenedHead:
         tokens[rows] = torch.where(force | (ts_best > best), ts_arg + tb, text_arg[rows])
         return tokens, undecided
 
-    def argmax_and_approx(self, hidden: torch.Tensor, banned: torch.Tensor | None = None):
-        """(`argmax`, the screen's approximate logits ã [N, V]) from the C++ op's one pass; ã is
-        None off it (the exact paths then need no bounds)."""
+    def split(self, hidden: torch.Tensor, banned: torch.Tensor, split: int):
+        """One pass of the screen -> (the exact argmax below `split` [N], its exact logit [N]
+        (-inf: every token below it banned), an upper bound on the log-sum-exp of the allowed
+        logits from `split` on [N] float64). The C++ op where it runs; spec: `split_reference`."""
         if cpu_ops.active(hidden) and self.packed is not None:
-            return cpu_ops.screened_argmax_approx(hidden, self.packed, self.scale, self.bound, self.weight, TINY,
-                                                  banned)
-        return self.argmax(hidden, banned), None
+            return cpu_ops.screened_split(hidden, self.packed, self.scale, self.bound, self.weight, TINY, banned,
+                                          split)
+        return self.split_reference(hidden, banned, split, bounds=True)
+
+    def split_reference(self, hidden: torch.Tensor, banned: torch.Tensor, split: int, bounds: bool = False):
+        """`split` in PyTorch: the argmax through `argmax`, its logit through `cpu_ops.gather_dot`
+        (the same arithmetic), and with `bounds` the upper log-sum-exp from `approx` (the C++ op
+        sums in another order: the same value within float64 rounding); without, None (the
+        callers then read every row's exact logits)."""
+        hidden = hidden.float()
+        below = banned.clone() if banned.dim() == 2 else banned[None].expand(hidden.shape[0], -1).clone()
+        below[:, split:] = True
+        arg = self.argmax(hidden, below)
+        best = cpu_ops.gather_dot(hidden, self.weight, arg[:, None])[:, 0].masked_fill(below.all(dim=1), -float("inf"))
+        if not bounds:
+            return arg, best, None
+        upper = self.approx(hidden)[:, split:] + (hidden.norm(dim=1, keepdim=True) * self.bound[split:] + TINY)
+        rest = banned[:, split:] if banned.dim() == 2 else banned[None, split:]
+        return arg, best, upper.double().masked_fill_(rest, -float("inf")).logsumexp(dim=1)
 
 
 class SubsetHead:
