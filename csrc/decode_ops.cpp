@@ -1826,6 +1826,63 @@ at::Tensor commit_tokens(at::Tensor tokens, at::Tensor n_tokens, at::Tensor done
   return m_out;
 }
 
+// Whisper's rule mask [N, V] bool (spec: specwhisper/engine/rules.py `rule_mask_reference`;
+// `rules.rule_mask` builds the same from column ranges in ~15 tensor ops, which cost a long-form
+// step more than the mask's 52 KB a row of writes). Every state argument is [N]: at_begin,
+// timestamps bool; n_sampled, last, penultimate, last_timestamp, max_initial int64. suppress:
+// bool [V]; blank_ids: int64 ids. Needs eot < no_timestamps < timestamp_begin <= V.
+at::Tensor rule_mask(const at::Tensor& at_begin, const at::Tensor& timestamps, const at::Tensor& n_sampled,
+                     const at::Tensor& last, const at::Tensor& penultimate, const at::Tensor& last_timestamp,
+                     const at::Tensor& max_initial, const at::Tensor& suppress, const at::Tensor& blank_ids,
+                     int64_t eot, int64_t no_timestamps, int64_t tb) {
+  const int64_t N = at_begin.size(0), V = suppress.size(0);
+  TORCH_CHECK(suppress.scalar_type() == at::kBool && suppress.dim() == 1 && blank_ids.scalar_type() == at::kLong,
+              "rule_mask: suppress bool [V], blank_ids int64");
+  TORCH_CHECK(0 <= eot && eot < no_timestamps && no_timestamps < tb && tb <= V,
+              "rule_mask: needs eot < no_timestamps < timestamp_begin <= V");
+  for (const at::Tensor* t : {&at_begin, &timestamps})
+    TORCH_CHECK(t->scalar_type() == at::kBool && t->dim() == 1 && t->size(0) == N, "rule_mask: flags bool [N]");
+  for (const at::Tensor* t : {&n_sampled, &last, &penultimate, &last_timestamp, &max_initial})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == N, "rule_mask: states int64 [N]");
+  at::Tensor mask = at::empty({N, V}, suppress.options());
+  const at::Tensor sup = suppress.contiguous(), blank = blank_ids.contiguous();
+  const bool* sp = sup.data_ptr<bool>();
+  const int64_t* bl = blank.data_ptr<int64_t>();
+  const int64_t n_blank = blank.numel();
+  const auto ab = at_begin.accessor<bool, 1>(), ts = timestamps.accessor<bool, 1>();
+  const auto ns = n_sampled.accessor<int64_t, 1>(), la = last.accessor<int64_t, 1>(),
+             pe = penultimate.accessor<int64_t, 1>(), lt = last_timestamp.accessor<int64_t, 1>(),
+             mi = max_initial.accessor<int64_t, 1>();
+  bool* mp = mask.data_ptr<bool>();
+  for (int64_t r = 0; r < N; ++r) {
+    bool* row = mp + r * V;
+    const bool begin = ab[r], stamped = ts[r];
+    const bool last_was_ts = ns[r] >= 1 && la[r] >= tb;
+    const bool penultimate_was_ts = ns[r] < 2 || pe[r] >= tb;
+    const bool open_pair = last_was_ts && !penultimate_was_ts;
+    // timestamps from `upper` on are allowed (upper <= tb: no timestamp yet), up to `limit`
+    const int64_t upper = open_pair ? lt[r] : lt[r] + 1;
+    const int64_t limit = begin && mi[r] >= 0 ? tb + mi[r] : V;  // the last allowed first timestamp
+    std::memset(row, stamped && (open_pair || begin), eot);  // text
+    std::memset(row + eot, stamped && begin, tb - eot);  // EOT and the other special tokens
+    if (stamped) row[no_timestamps] = true;
+    if (!stamped) {
+      std::memset(row + tb, 0, V - tb);
+    } else if (last_was_ts && penultimate_was_ts) {
+      std::memset(row + tb, 1, V - tb);  // after a closed pair: text or EOT
+    } else {
+      const int64_t lo = std::min(std::max(upper, tb), V), hi = std::min(std::max(limit + 1, lo), V);
+      std::memset(row + tb, 1, lo - tb);
+      std::memset(row + lo, 0, hi - lo);
+      std::memset(row + hi, 1, V - hi);
+    }
+    if (begin)
+      for (int64_t i = 0; i < n_blank; ++i) row[bl[i]] = true;
+    for (int64_t v = 0; v < V; ++v) row[v] |= sp[v];
+  }
+  return mask;
+}
+
 // ------------------------------------------------------------------ layer norm and gelu
 // A step's layer norms, gelu and residual adds (spec: backends/cpu_ops.py `layer_norm_reference`,
 // `gelu_reference`; equal to float rounding, the gelu's erf within 1.5e-7). torch's own norm and
@@ -2137,6 +2194,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("gather_dot(Tensor x, Tensor weight, Tensor ids) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
+  m.def("rule_mask(Tensor at_begin, Tensor timestamps, Tensor n_sampled, Tensor last, Tensor penultimate, Tensor last_timestamp, Tensor max_initial, Tensor suppress, Tensor blank_ids, int eot, int no_timestamps, int timestamp_begin) -> Tensor");
   m.def("screened_split(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned, int split) -> (Tensor, Tensor, Tensor)");
   m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
@@ -2151,6 +2209,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("linear_q8", &linear_q8);
   m.impl("screened_argmax", &screened_argmax);
   m.impl("screened_split", &screened_split);
+  m.impl("rule_mask", &rule_mask);
   m.impl("q4_argmax", &q4_argmax);
   m.impl("q4_logits", &q4_logits);
   m.impl("decode_attention", &decode_attention);

@@ -8,6 +8,7 @@ pytest.importorskip("whisper")  # openai-whisper, the reference
 from whisper.decoding import ApplyTimestampRules, SuppressBlank, SuppressTokens  # noqa: E402
 from whisper.tokenizer import get_tokenizer  # noqa: E402
 
+from specwhisper.backends import cpu_ops
 from specwhisper.engine.rules import RuleTables, apply_rules, row_state, rule_mask, rule_mask_reference
 
 
@@ -93,7 +94,7 @@ def test_apply_rules_equals_openai(setup, timestamps_share):
 
 
 def test_rule_mask_by_column_ranges_equals_the_reference(setup):
-    """`rule_mask` (built by column ranges) equals `rule_mask_reference` (one whole-vocabulary term
+    """`rule_mask` (built by column ranges, or by the C++ op) equals `rule_mask_reference` (one whole-vocabulary term
     per rule) on random states: every mix of begin / timestamps / pair states, timestamps at both
     ends of the range, no initial limit or one past the last timestamp."""
     _, tables = setup
@@ -109,8 +110,12 @@ def test_rule_mask_by_column_ranges_equals_the_reference(setup):
     last_timestamp = torch.where(torch.rand(N, generator=gen) < 0.3, torch.full((N,), -1), ts())
     state = (n_sampled == 0, torch.rand(N, generator=gen) < 0.7, n_sampled, last, penultimate, last_timestamp,
              pick(-1, 0, 1, 50, 1500, 1501))
-    got, expected = rule_mask(tables, *state), rule_mask_reference(tables, *state)
-    assert torch.equal(got, expected)
+    expected = rule_mask_reference(tables, *state)
+    with cpu_ops.reference():  # the column ranges in PyTorch
+        got = rule_mask(tables, *state)
+    with torch.inference_mode():  # one C++ call, where the extension is built
+        fast = rule_mask(tables, *state)
+    assert torch.equal(got, expected) and torch.equal(fast, expected)
     assert 0 < int(got[:, tb:].all(dim=1).sum()) < N and 0 < int(got[:, :tables.eot].all(dim=1).sum()) < N
 
 

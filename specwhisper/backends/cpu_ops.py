@@ -200,6 +200,13 @@ def decoder_step(decoder, tokens, input_pos, cache, kv_len: int):
                                decoder.layer_norm.bias)
 
 
+def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial, suppress,
+              blank_ids, eot: int, no_timestamps: int, timestamp_begin: int):
+    """`engine.rules.rule_mask_reference` in one C++ call (callers check `active` first)."""
+    return _ops().rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial,
+                            suppress, blank_ids, eot, no_timestamps, timestamp_begin)
+
+
 def commit_tokens(tokens, n_tokens, done, budget, slots, choice, n_emit, eot: int):
     """`commit_tokens_reference` in one C++ call (the state tensors are updated in place)."""
     if active(tokens):
