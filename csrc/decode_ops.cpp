@@ -1883,6 +1883,70 @@ at::Tensor rule_mask(const at::Tensor& at_begin, const at::Tensor& timestamps, c
   return mask;
 }
 
+// The rules' per-position state (spec: specwhisper/engine/choosing.py `rule_state_reference`):
+// for pass row b (slot slots[b]) and position t, predicting token index p = predicted[b, t], over
+// the slot's tokens with the row's `proposed` [B, k] written at n_tokens.. (k may be 0):
+// (at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial), each [B * T].
+std::vector<at::Tensor> rule_state(const at::Tensor& tokens, const at::Tensor& n_tokens, const at::Tensor& prompt_len,
+                                   const at::Tensor& timestamps, const at::Tensor& max_initial,
+                                   const at::Tensor& slots, const at::Tensor& predicted, const at::Tensor& proposed,
+                                   int64_t tb) {
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2, "rule_state: tokens int64 [S, L]");
+  TORCH_CHECK(predicted.scalar_type() == at::kLong && predicted.dim() == 2 && slots.scalar_type() == at::kLong &&
+              slots.dim() == 1 && slots.size(0) == predicted.size(0),
+              "rule_state: slots int64 [B], predicted int64 [B, T]");
+  TORCH_CHECK(proposed.scalar_type() == at::kLong && proposed.dim() == 2 &&
+              (proposed.size(1) == 0 || proposed.size(0) == predicted.size(0)),
+              "rule_state: proposed int64 [B, k]");
+  TORCH_CHECK(timestamps.scalar_type() == at::kBool, "rule_state: timestamps bool [S]");
+  const int64_t B = predicted.size(0), T = predicted.size(1), S = tokens.size(0), L = tokens.size(1);
+  const int64_t k = proposed.size(1);
+  const auto tok = tokens.accessor<int64_t, 2>();
+  const auto nt = n_tokens.accessor<int64_t, 1>(), pl = prompt_len.accessor<int64_t, 1>(),
+             mi = max_initial.accessor<int64_t, 1>(), sl = slots.accessor<int64_t, 1>();
+  const auto tsf = timestamps.accessor<bool, 1>();
+  const auto pred = predicted.accessor<int64_t, 2>(), prop = proposed.accessor<int64_t, 2>();
+  const auto i64 = predicted.options(), b8 = predicted.options().dtype(at::kBool);
+  at::Tensor at_begin = at::empty({B * T}, b8), stamped = at::empty({B * T}, b8);
+  at::Tensor n_sampled = at::empty({B * T}, i64), last = at::empty({B * T}, i64), pen = at::empty({B * T}, i64),
+             last_ts = at::empty({B * T}, i64), max_init = at::empty({B * T}, i64);
+  bool* abp = at_begin.data_ptr<bool>();
+  bool* stp = stamped.data_ptr<bool>();
+  int64_t *nsp = n_sampled.data_ptr<int64_t>(), *lap = last.data_ptr<int64_t>(), *pep = pen.data_ptr<int64_t>(),
+          *ltp = last_ts.data_ptr<int64_t>(), *mip = max_init.data_ptr<int64_t>();
+  std::vector<int64_t> seq(L), running(L);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = sl[b];
+    TORCH_CHECK(s >= 0 && s < S, "rule_state: slot ", s, " outside the pool");
+    for (int64_t j = 0; j < L; ++j) seq[j] = tok[s][j];
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t at = nt[s] + j;
+      TORCH_CHECK(at >= 0 && at < L, "rule_state: proposal ", j, " of row ", b, " past the buffer");
+      seq[at] = std::max<int64_t>(prop[b][j], 0);
+    }
+    const int64_t start = pl[s];
+    int64_t best = -1;  // the largest timestamp among the generated tokens up to j (cummax)
+    for (int64_t j = 0; j < L; ++j) {
+      if (j >= start && seq[j] >= tb) best = std::max(best, seq[j]);
+      running[j] = best;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pred[b][t], i = b * T + t;
+      TORCH_CHECK(p >= 0 && p <= L, "rule_state: predicted index ", p, " outside 0..", L);
+      const int64_t before = std::max<int64_t>(p - 1, 0), before2 = std::max<int64_t>(p - 2, 0);
+      TORCH_CHECK(before < L, "rule_state: predicted index past the buffer");
+      abp[i] = p == start;
+      stp[i] = tsf[s];
+      nsp[i] = p - start;
+      lap[i] = seq[before];
+      pep[i] = seq[before2];
+      ltp[i] = p - start > 0 ? running[before] : -1;
+      mip[i] = mi[s];
+    }
+  }
+  return {at_begin, stamped, n_sampled, last, pen, last_ts, max_init};
+}
+
 // ------------------------------------------------------------------ layer norm and gelu
 // A step's layer norms, gelu and residual adds (spec: backends/cpu_ops.py `layer_norm_reference`,
 // `gelu_reference`; equal to float rounding, the gelu's erf within 1.5e-7). torch's own norm and
@@ -2195,6 +2259,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("screened_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned) -> Tensor");
   m.def("rule_mask(Tensor at_begin, Tensor timestamps, Tensor n_sampled, Tensor last, Tensor penultimate, Tensor last_timestamp, Tensor max_initial, Tensor suppress, Tensor blank_ids, int eot, int no_timestamps, int timestamp_begin) -> Tensor");
+  m.def("rule_state(Tensor tokens, Tensor n_tokens, Tensor prompt_len, Tensor timestamps, Tensor max_initial, Tensor slots, Tensor predicted, Tensor proposed, int timestamp_begin) -> Tensor[]");
   m.def("screened_split(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned, int split) -> (Tensor, Tensor, Tensor)");
   m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
@@ -2210,6 +2275,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("screened_argmax", &screened_argmax);
   m.impl("screened_split", &screened_split);
   m.impl("rule_mask", &rule_mask);
+  m.impl("rule_state", &rule_state);
   m.impl("q4_argmax", &q4_argmax);
   m.impl("q4_logits", &q4_logits);
   m.impl("decode_attention", &decode_attention);

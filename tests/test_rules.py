@@ -165,3 +165,38 @@ def test_tables_from_real_tokenizers():
         assert ours.suppress.nonzero().flatten().tolist() == openai_suppress(tok)
         assert ours.blank.nonzero().flatten().tolist() == sorted(tok.encode(" ") + [tok.eot])
         assert (ours.eot, ours.no_timestamps, ours.timestamp_begin) == (tok.eot, tok.no_timestamps, tok.timestamp_begin)
+
+
+def test_rule_state_in_one_call_equals_the_tensor_ops(setup):
+    """`choosing.rule_state` (one C++ call on a CPU) equals `rule_state_reference` on random slot
+    histories mixing text and timestamps, pass positions from the first generated token to past
+    the proposals, with and without proposals (-1: none from there on)."""
+    from types import SimpleNamespace
+
+    from specwhisper.engine.choosing import Rows, rule_state, rule_state_reference
+
+    _, tables = setup
+    tb, V = tables.timestamp_begin, tables.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    S, L, B, T = 7, 48, 5, 4
+    tokens = torch.where(torch.rand(S, L, generator=gen) < 0.4, torch.randint(tb, V, (S, L), generator=gen),
+                         torch.randint(0, tables.eot, (S, L), generator=gen))
+    prompt_len = torch.randint(1, 6, (S,), generator=gen)
+    n_tokens = prompt_len + torch.randint(1, 30, (S,), generator=gen)
+    state = SimpleNamespace(tokens=tokens, n_tokens=n_tokens, prompt_len=prompt_len,
+                            timestamps=torch.rand(S, generator=gen) < 0.7,
+                            max_initial_ts=torch.randint(-1, 60, (S,), generator=gen))
+    slots = torch.randperm(S, generator=gen)[:B]
+    for k in (0, 3):
+        proposed = None if k == 0 else torch.where(torch.rand(B, k, generator=gen) < 0.2, -1,
+                                                   torch.randint(0, V, (B, k), generator=gen))
+        first = prompt_len[slots][:, None] + torch.arange(T)  # from the first generated token on
+        last = n_tokens[slots][:, None] - 1 + torch.arange(T)  # a verify pass's positions
+        for predicted in (first, last, torch.zeros(B, T, dtype=torch.long)):
+            rows = Rows(state, slots, predicted, proposed)
+            expected = rule_state_reference(rows, tables)
+            with torch.inference_mode():
+                fast = rule_state(rows, tables)
+            assert len(fast) == 7 and all(torch.equal(a, b) for a, b in zip(fast, expected)), (k, predicted)
+            if predicted is last:  # power: rows with and without a timestamp generated so far
+                assert bool((expected[5] >= tb).any()) and bool((expected[5] == -1).any())

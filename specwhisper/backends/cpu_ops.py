@@ -207,6 +207,13 @@ def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp
                             suppress, blank_ids, eot, no_timestamps, timestamp_begin)
 
 
+def rule_state(tokens, n_tokens, prompt_len, timestamps, max_initial, slots, predicted, proposed,
+               timestamp_begin: int):
+    """`engine.choosing.rule_state_reference` in one C++ call (callers check `active` first)."""
+    return _ops().rule_state(tokens, n_tokens, prompt_len, timestamps, max_initial, slots, predicted, proposed,
+                             timestamp_begin)
+
+
 def commit_tokens(tokens, n_tokens, done, budget, slots, choice, n_emit, eot: int):
     """`commit_tokens_reference` in one C++ call (the state tensors are updated in place)."""
     if active(tokens):
