@@ -80,9 +80,10 @@ class Speculation:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32
             # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
+            pending = self.runner.drafts_pending(B)
             probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
-                                 and self.runner.drafts_pending(B))
-            if rule.paid and self.runner.drafts_pending(B):
+                                 and pending)
+            if rule.paid and pending:
                 # decided for windows whose setup was spent; a window admitted since pays its own
                 rule.paid = False
                 if rule.k > 0 and not rule.pays():

@@ -196,8 +196,7 @@ class ScreenedHead:
         undecided rows either way (the PyTorch path reads every row's)."""
         hidden = hidden.float()
         tb = timestamp_begin
-        fast = cpu_ops.active(hidden) and self.packed is not None
-        text_arg, text_best, lse_upper = (self.split if fast else self.split_reference)(hidden, banned, tb)
+        text_arg, text_best, lse_upper = self.split(hidden, banned, tb, bounds=False)
         tokens, undecided = text_arg.clone(), torch.zeros(len(text_arg), dtype=torch.bool, device=hidden.device)
         if lse_upper is None:
             rows = torch.arange(len(text_arg), device=hidden.device)
@@ -218,14 +217,15 @@ class ScreenedHead:
         tokens[rows] = torch.where(force | (ts_best > best), ts_arg + tb, text_arg[rows])
         return tokens, undecided
 
-    def split(self, hidden: torch.Tensor, banned: torch.Tensor, split: int):
+    def split(self, hidden: torch.Tensor, banned: torch.Tensor, split: int, bounds: bool = True):
         """One pass of the screen -> (the exact argmax below `split` [N], its exact logit [N]
         (-inf: every token below it banned), an upper bound on the log-sum-exp of the allowed
-        logits from `split` on [N] float64). The C++ op where it runs; spec: `split_reference`."""
+        logits from `split` on [N] float64). The C++ op where it runs (it always bounds); spec:
+        `split_reference`, whose bound (`bounds`; None without) costs a float64 pass over [N, V]."""
         if cpu_ops.active(hidden) and self.packed is not None:
             return cpu_ops.screened_split(hidden, self.packed, self.scale, self.bound, self.weight, TINY, banned,
                                           split)
-        return self.split_reference(hidden, banned, split, bounds=True)
+        return self.split_reference(hidden, banned, split, bounds=bounds)
 
     def split_reference(self, hidden: torch.Tensor, banned: torch.Tensor, split: int, bounds: bool = False):
         """`split` in PyTorch: the argmax through `argmax`, its logit through `cpu_ops.gather_dot`
