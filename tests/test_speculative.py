@@ -358,7 +358,7 @@ def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels,
     engine = Engine(target, drafts["wrong"], background=False)
     assert not engine.drafter.shared_encoder
     rule = engine.drafter.length
-    rule.calibrated, rule.update = True, lambda *a, **kw: None  # decisions held where set below
+    rule.calibrated, rule.update, rule.pays = True, lambda *a, **kw: None, lambda: True  # decisions held where set below
     rule.setup = 100.0  # an encoder pass of 100 plain passes
     rule.k, rule.until_probe = 1, 0  # a probe
     assert rule.probing()
@@ -536,6 +536,19 @@ def test_draft_length_rule():
     costly.paid = False
     costly.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
     assert costly.k == 0 and not costly.on
+    # the setup is spread over the tokens its window has yet to generate: a draft clearly worth
+    # its encoder pass at a window's start is not started near its end (75 of 80 tokens: the
+    # pass serves at most W / 8 = 10 more), and a window longer than usual still counts W / 8
+    late = hovering(0.1)
+    assert late.best()[1] > late.START_MARGIN and late.pays()
+    late.generated = 40.0
+    assert late.setup_share() == 20.0 / 40.0
+    late.generated = 75.0
+    assert late.setup_share() == 20.0 / 10.0 and not late.pays()
+    late.generated = 200.0
+    assert late.setup_share() == 20.0 / 10.0
+    late.paid = True
+    assert late.setup_share() == 0.0 and late.pays()
 
     # a measured rate that switched a draft off in one window does not keep it off in the next:
     # the window's end leaves it the weight of NEW_WINDOW_TOKENS, so the model decides again (and
@@ -574,7 +587,9 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
                    cost_ratio=0.3, setup_seconds=20.0)  # pays without its setup only (as above)
     pending = [False]
     spec = SimpleNamespace(use_draft=True, num_draft_tokens=None, prompt=[1, 2, 3])
+    generated = [5.0]  # tokens the pending row has generated
     runner = SimpleNamespace(specs=lambda B: [spec] * B, drafts_pending=lambda B: pending[0],
+                             pending_generated=lambda B: generated[0] if pending[0] else None,
                              hosts=[SimpleNamespace(budget=100, n=10, spec=spec)], start_drafts=lambda B: 0,
                              sync_draft=lambda B: None)
     # each iteration costs what the calibration says (a draft step 0.3, a pass over r rows v(r))
@@ -595,6 +610,21 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     assert not rule.paid and rule.k == 0
     rule.paid, rule.k, pending[0] = True, 3, True  # decided for spent setups; a window came in since
     assert control.begin(1) == 0 and not rule.paid and rule.k == 0
+
+    # a draft worth its setup over a whole window (c = 0.1) starts in a window at its start, but
+    # not in one whose row has generated most of its tokens: the decision made for one window is
+    # made again for the window whose draft would start
+    rule.calibrate(plain_seconds=1.0, verify_ratio=rule.verify_ratio, cost_ratio=0.1, setup_seconds=20.0)
+    rule.cost_ratio = 0.1
+    rule.paid, rule.generated, rule.k, rule.on = False, 0.0, 3, True
+    generated[0] = 75.0
+    assert control.begin(1) == 0 and rule.k == 0 and rule.generated == 75.0
+    rule.generated, rule.k = 0.0, 3
+    generated[0] = 2.0
+    assert control.begin(1) == 3 and rule.generated == 2.0
+    pending[0] = False
+    control.end(Progress(done=[False], n_tokens=[20], accepted=[-1], draft_len=[20]))
+    assert rule.paid and rule.generated == 0.0
 
 
 def test_plain_steps_right_after_speculation_are_not_timed():

@@ -213,6 +213,12 @@ class Runner:
         """Whether a row among the first B has a draft still to start."""
         return any(h.draft_pending is not None for h in self.hosts[:B])
 
+    def pending_generated(self, B: int) -> float | None:
+        """Tokens generated so far by the rows among the first B whose draft is still to start
+        (their mean; None: no such row)."""
+        rows = [h.n - len(h.spec.prompt) for h in self.hosts[:B] if h.draft_pending is not None]
+        return sum(rows) / len(rows) if rows else None
+
     def drafts_running(self, B: int) -> bool:
         """Whether a live row among the first B has started its draft (the host's copy)."""
         return any(h.spec is not None and h.spec.use_draft and h.draft_pending is None for h in self.hosts[:B])

@@ -55,7 +55,11 @@ class Speculation:
         if self.rule is not None:
             # the next decision may leave the setup out if every row goes on in a window whose
             # draft has started (a row that ends here makes room for a window yet to pay one)
-            self.rule.paid = not any(progress.done) and not self.runner.drafts_pending(len(progress.done))
+            B = len(progress.done)
+            self.rule.paid = not any(progress.done) and not self.runner.drafts_pending(B)
+            # how far into their windows the rows whose drafts would start are (`choose_k` checks
+            # again once windows come in for the rows that end here)
+            self.rule.generated = self.runner.pending_generated(B) or 0.0
             draft_seconds, verify_seconds = self.clock.intervals()
             self.rule.update(self.k, progress.accepted, progress.done, draft_seconds=draft_seconds,
                              verify_seconds=verify_seconds)
@@ -80,13 +84,15 @@ class Speculation:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32
             # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
-            pending = self.runner.drafts_pending(B)
+            generated = self.runner.pending_generated(B)
+            pending = generated is not None
             probe_needs_setup = (rule.probing() and not self.drafter.shared_encoder and not rule.setup_is_cheap()
                                  and pending)
-            if rule.paid and pending:
-                # decided for windows whose setup was spent; a window admitted since pays its own
-                rule.paid = False
-                if rule.k > 0 and not rule.pays():
+            if pending and (rule.paid or rule.generated != generated):
+                # decided for windows whose setup was spent, or for others than those whose drafts
+                # start now (a window admitted since pays its own, over the tokens it has left)
+                rule.paid, rule.generated = False, generated
+                if rule.k > 0 and not rule.probing() and not rule.pays():
                     rule.k = 0
             k = max(k, 0 if probe_needs_setup else rule.k)
         room = max(h.budget - h.n for h in self.runner.hosts[:B]) - 1
