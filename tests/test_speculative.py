@@ -615,7 +615,6 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     # not in one whose row has generated most of its tokens: the decision made for one window is
     # made again for the window whose draft would start
     rule.calibrate(plain_seconds=1.0, verify_ratio=rule.verify_ratio, cost_ratio=0.1, setup_seconds=20.0)
-    rule.cost_ratio = 0.1
     rule.paid, rule.generated, rule.k, rule.on = False, 0.0, 3, True
     generated[0] = 75.0
     assert control.begin(1) == 0 and rule.k == 0 and rule.generated == 75.0

@@ -35,10 +35,8 @@ def interpreted_stdlib():
     session still compile the real ones."""
     import triton.language as tl
     import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
     from triton.runtime.jit import JITFunction
-
-    from triton.runtime.interpreter import InterpreterBuilder
 
     saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
              if isinstance(obj, JITFunction)]
