@@ -65,11 +65,9 @@ def row_dot(create_dot):
     def dot(self, a, b, d, *args, **kwargs):
         if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):
             return create_dot(self, a, b, d, *args, **kwargs)  # fp8, which it widens first
-        x, w = a.data, b.data
-        out = np.empty_like(d.data)
-        for index in np.ndindex(x.shape[:-1]):  # [.., rows]: one row at a time
-            out[index] = np.matmul(x[index], w[index[:-1]], dtype=d.data.dtype) + d.data[index]
-        return TensorHandle(out, d.dtype.scalar)
+        # [.., rows, K] @ [.., K, N] as a stack of one-row products ([.., rows, 1, K] @ [.., 1, K, N])
+        rows = np.matmul(a.data[..., None, :], b.data[..., None, :, :], dtype=d.data.dtype)[..., 0, :]
+        return TensorHandle(rows + d.data, d.dtype.scalar)
     return dot
 
 
