@@ -588,7 +588,7 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     pending = [False]
     spec = SimpleNamespace(use_draft=True, num_draft_tokens=None, prompt=[1, 2, 3])
     generated = [5.0]  # tokens the pending row has generated
-    runner = SimpleNamespace(specs=lambda B: [spec] * B, drafts_pending=lambda B: pending[0],
+    runner = SimpleNamespace(specs=lambda B: [spec] * B,
                              pending_generated=lambda B: generated[0] if pending[0] else None,
                              hosts=[SimpleNamespace(budget=100, n=10, spec=spec)], start_drafts=lambda B: 0,
                              sync_draft=lambda B: None)

@@ -40,9 +40,9 @@ def interpreted_stdlib():
 
     saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
              if isinstance(obj, JITFunction)]
-    saved.append((InterpreterBuilder, "create_dot", InterpreterBuilder.create_dot))
-    for ns, name, obj in saved[:-1]:
+    for ns, name, obj in saved:
         setattr(ns, name, InterpretedFunction(obj.fn))
+    saved.append((InterpreterBuilder, "create_dot", InterpreterBuilder.create_dot))
     InterpreterBuilder.create_dot = row_dot(InterpreterBuilder.create_dot)
     try:
         yield

@@ -209,10 +209,6 @@ class Runner:
         first, logits = self.choose(hidden[:, -1:], slot, st.n_tokens[slot] - 1, self.modes_of([spec]), first=True)
         self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device), logits, hidden[:, -1:])
 
-    def drafts_pending(self, B: int) -> bool:
-        """Whether a row among the first B has a draft still to start."""
-        return any(h.draft_pending is not None for h in self.hosts[:B])
-
     def pending_generated(self, B: int) -> float | None:
         """Tokens generated so far by the rows among the first B whose draft is still to start
         (their mean; None: no such row)."""

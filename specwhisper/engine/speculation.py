@@ -55,11 +55,11 @@ class Speculation:
         if self.rule is not None:
             # the next decision may leave the setup out if every row goes on in a window whose
             # draft has started (a row that ends here makes room for a window yet to pay one)
-            B = len(progress.done)
-            self.rule.paid = not any(progress.done) and not self.runner.drafts_pending(B)
             # how far into their windows the rows whose drafts would start are (`choose_k` checks
             # again once windows come in for the rows that end here)
-            self.rule.generated = self.runner.pending_generated(B) or 0.0
+            generated = self.runner.pending_generated(len(progress.done))
+            self.rule.paid = not any(progress.done) and generated is None
+            self.rule.generated = generated or 0.0
             draft_seconds, verify_seconds = self.clock.intervals()
             self.rule.update(self.k, progress.accepted, progress.done, draft_seconds=draft_seconds,
                              verify_seconds=verify_seconds)
