@@ -2228,8 +2228,8 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
   return step_layer_norm(x, final_weight, final_bias, eps);  // the decoder's last norm
 }
 
-// How many threads at::parallel_for really uses in this extension (a build without OpenMP
-// silently runs every op on one thread; tests check this equals torch.get_num_threads()).
+#include "encoder_ops.h"
+
 // Lower (or restore) the vector level the ops use -> the previous limit (tests: every path).
 int64_t set_vector_level(int64_t level) {
   const int64_t before = g_level_limit;
@@ -2237,6 +2237,11 @@ int64_t set_vector_level(int64_t level) {
   return before;
 }
 
+// The vector level the ops use now: 0 scalar, 1 AVX2 + FMA, 2 AVX-512.
+int64_t current_vector_level() { return vector_level(); }
+
+// How many threads at::parallel_for really uses in this extension (a build without OpenMP
+// silently runs every op on one thread; tests check this equals torch.get_num_threads()).
 int64_t parallel_threads() {
   std::vector<int64_t> seen(std::max<int64_t>(1, at::get_num_threads()), 0);
   const bool omp = main_thread();  // which pool runs this thread's sections (see parallel_for)
@@ -2251,6 +2256,8 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
   m.def("set_vector_level(int level) -> int");
+  m.def("vector_level() -> int");
+  m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("gelu(Tensor x) -> Tensor");
@@ -2284,10 +2291,12 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("decoder_step", &decoder_step);
   m.impl("layer_norm", &step_layer_norm);
   m.impl("gelu", &step_gelu);
+  m.impl("encoder_attention", &encoder_attention);
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);
   m.impl("set_vector_level", &set_vector_level);
+  m.impl("vector_level", &current_vector_level);
 }
 
 }  // namespace specwhisper_decode

@@ -197,3 +197,94 @@ def test_gemms_do_not_depend_on_the_thread_count():
     assert same_bits("specwhisper")
     if same_bits("torch"):
         pytest.skip("this MKL gives thread-independent bits even without strict mode (no power here)")
+
+
+def _avx2_attention() -> bool:
+    from specwhisper.backends import cpu_ops
+
+    return cpu_ops.available() and cpu_ops._ops().vector_level() >= 1
+
+
+needs_avx2 = pytest.mark.skipif(not _avx2_attention(), reason="the encoder attention kernel needs AVX2 + FMA")
+
+
+@needs_avx2
+@pytest.mark.parametrize("T,heads,head_dim", [(1, 1, 64), (5, 2, 64), (6, 1, 64), (7, 3, 20), (31, 2, 64),
+                                              (32, 8, 64), (33, 2, 16), (257, 4, 64), (1500, 8, 64)])
+@pytest.mark.parametrize("spread", [1.0, 6.0])
+def test_encoder_attention_matches_reference(T, heads, head_dim, spread):
+    """csrc/encoder_ops.h against softmax(q kᵀ) v in float64, on the edges of its tiles (6 keys or
+    channels, 16 and 32 queries), head dims that are not a multiple of 6 or 16, strided rows, and
+    scores spread enough that the softmax is nearly one-hot (spread 6: score sd ≈ 290): within
+    twice the error of torch's own float32 attention on the same input."""
+    from specwhisper.backends import cpu_ops
+
+    d = heads * head_dim
+    g = torch.Generator().manual_seed(T * 7 + heads)
+    wide = torch.randn(T, 3 * d + 5, generator=g) * spread
+    qkv = wide[:, 2:3 * d + 2]  # rows strided, columns unit-stride
+    assert T == 1 or not qkv.is_contiguous()
+    with torch.no_grad():
+        out = cpu_ops.encoder_attention(qkv, heads)
+        ref = cpu_ops.encoder_attention_reference(qkv.double(), heads)
+        torch_error = (cpu_ops.encoder_attention_reference(qkv, heads).double() - ref).abs().max().item()
+    assert out.shape == (T, d) and out.dtype == torch.float32
+    error = (out.double() - ref).abs().max().item()
+    assert error <= 2 * max(torch_error, 1e-6), (error, torch_error)
+
+
+@needs_avx2
+def test_encoder_attention_bits_do_not_depend_on_threads_or_the_calling_thread():
+    """Each output element is made by one thread in a fixed order: 1 thread, 2 threads, and a
+    call from another thread (the extension's own pool) give the same bits."""
+    import threading
+
+    from specwhisper.backends import cpu_ops
+
+    qkv = torch.randn(301, 3 * 4 * 64, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.encoder_attention(qkv, 4)
+        torch.set_num_threads(2)
+        two = cpu_ops.encoder_attention(qkv, 4)
+        box = []
+        worker = threading.Thread(target=lambda: box.append(cpu_ops.encoder_attention(qkv, 4)))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two) and torch.equal(one, box[0])
+
+
+@needs_avx2
+def test_encoder_attention_names_bad_input():
+    from specwhisper.backends import cpu_ops
+
+    with pytest.raises(RuntimeError, match="not 3 \\* heads \\* head_dim"):
+        cpu_ops.encoder_attention(torch.randn(10, 3 * 64 + 1), 1)
+    with pytest.raises(RuntimeError, match="float32 CPU matrix"):
+        cpu_ops.encoder_attention(torch.randn(10, 3 * 64, dtype=torch.float64), 1)
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        cpu_ops.encoder_attention(torch.randn(3 * 64, 10).t(), 1)
+
+
+@needs_avx2
+def test_fast_path_attends_with_the_kernel_on_avx2_and_with_torch_elsewhere(encoder, monkeypatch):
+    """On an AVX2 CPU the fast path's full-attention layers run the kernel (one call a layer); held
+    to the scalar level, or on an AVX-512 CPU, they run torch's flash kernel; the features agree."""
+    from specwhisper.backends import cpu_ops
+
+    calls = []
+    kernel = cpu_ops.encoder_attention
+    monkeypatch.setattr(cpu_ops, "encoder_attention", lambda qkv, heads: calls.append(heads) or kernel(qkv, heads))
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        with cpu_ops.vector_level(1):
+            own = encoder(mel)
+        assert len(calls) == len(encoder.layers)
+        with cpu_ops.vector_level(0):
+            flash = encoder(mel)
+        assert len(calls) == len(encoder.layers)
+    assert not torch.equal(own, flash)
+    torch.testing.assert_close(own, flash, rtol=1e-4, atol=1e-4)

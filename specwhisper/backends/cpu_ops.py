@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -181,6 +182,26 @@ def q4_argmax(hidden, packed, scale, weight, candidates, banned):
 def q4_logits(hidden, packed, scale, weight, candidates):
     """The C++ form of `head.Q4Head.logits_reference` (callers check `active` first)."""
     return _ops().q4_logits(hidden, packed, scale, weight, candidates)
+
+
+def encoder_attention_reference(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """qkv [T, 3 d] (q pre-scaled) -> softmax(q kᵀ) v per head, [T, d] (`encoder_attention`'s spec)."""
+    T, d = qkv.shape[0], qkv.shape[1] // 3
+    q, k, v = qkv.reshape(T, 3, heads, d // heads).permute(1, 2, 0, 3)  # [H, T, Dh] each
+    return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(0, 1).reshape(T, d)
+
+
+def encoder_attention_usable(x: torch.Tensor) -> bool:
+    """Whether `encoder_attention` runs its C++ kernel for tensors like `x`: AVX2 exactly. With
+    AVX-512 torch's flash kernel has twice the vector width (the kernel here is AVX2 code)."""
+    return active(x) and _ops().vector_level() == 1
+
+
+def encoder_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """The encoder's full self-attention from its fused projection's output qkv [T, 3 d] (q
+    pre-scaled; rows may be strided) -> [T, d] (csrc/encoder_ops.h; callers check
+    `encoder_attention_usable`)."""
+    return _ops().encoder_attention(qkv, heads)
 
 
 def attention(q, k_cache, v_cache, n_keys, scale):
@@ -351,6 +372,9 @@ def _build() -> None:
     cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
     with contextlib.ExitStack() as stack:
         hold_build_lock(stack, directory)
-        source = stage_sources(directory, ("decode_ops.cpp",))["decode_ops.cpp"]
+        staged = stage_sources(directory, ("decode_ops.cpp", "encoder_ops.h"))
+        source = staged["decode_ops.cpp"]
+        # torch's JIT build versions by the sources' text only: the header's hash joins the flags
+        cflags.append(f"-DSPECWHISPER_ENCODER_OPS={hashlib.sha256(staged['encoder_ops.h'].read_bytes()).hexdigest()[:16]}")
         load(name="specwhisper_decode_ops", sources=[str(source)], build_directory=str(directory),
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

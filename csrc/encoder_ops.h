@@ -1,0 +1,187 @@
+// The encoder's self-attention on AVX2 CPUs: softmax(q kᵀ) v over all T positions of every head,
+// read straight from the fused q/k/v projection's output (q pre-scaled) and written in the
+// [T, heads · head_dim] layout the out projection reads.
+//
+// Spec: `encoder_attention_reference` in specwhisper/backends/cpu_ops.py (the same product in
+// float64 and torch's scaled_dot_product_attention). Included by decode_ops.cpp inside its
+// namespace (it uses parallel_for and exp_avx2's constants from there).
+//
+// Why: torch's flash CPU kernel computes each (query block, key block) pair with a small BLAS call
+// and rescales an online softmax per key block; for whisper-base's 1500 × 1500 × 64 heads it ran
+// at 103-121 GFLOP/s on two Zen 3 cores (FMA peak ≈ 180). Here a whole row of scores fits in L2
+// (1500 keys), so the softmax is plain (max, exp, sum: no rescaling), and both products run on one
+// 6 × 16 register tile (12 ymm accumulators, the FMA units' latency × throughput) over operands
+// packed so that every load is contiguous:
+//   S ᵀ [keys, 32 queries] = K · Qᵀ   (A = keys packed 6 at a time, B = the item's queries)
+//   Oᵀ [head_dim, 32]      = Vᵀ · Pᵀ  (A = values packed 6 channels at a time, B = Pᵀ in place)
+// Working on Sᵀ puts the queries in the vector lanes: the softmax's max, exp and sum run down the
+// keys with whole vectors, and Pᵀ is already the second product's B operand.
+//
+// Determinism: each output element is computed by one thread in a fixed order (keys in order
+// within blocks of kEncKC, blocks in order), whatever the thread count or the other queries.
+
+constexpr int64_t kEncMR = 6;    // tile rows (keys, or value channels)
+constexpr int64_t kEncNR = 16;   // tile columns (queries): two ymm vectors
+constexpr int64_t kEncQ = 32;    // queries per work item: two tiles share each A micro-panel (4 vectors)
+constexpr int64_t kEncKC = 256;  // keys per block of the value product (its B block, 32 KB, in L1)
+
+// c[6 × 16] (row stride ldc) = (first ? 0 : c) + Σ_k a[6k + r] · b[k · ldb + j]: FMAs over k in
+// order, one accumulator per (row, 8 columns). The accumulators are named, not an array: GCC kept
+// an array's elements on the stack, storing ten of them every step (a third of the FMA rate).
+__attribute__((target("avx2,fma"))) inline void enc_tile(const float* a, const float* b, int64_t ldb, int64_t kc,
+                                                         float* c, int64_t ldc, bool first) {
+#define ENC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define ENC_INIT(r)                                                            \
+  __m256 c##r##0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc); \
+  __m256 c##r##1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
+#define ENC_FMA(r)                                       \
+  {                                                      \
+    const __m256 ar = _mm256_broadcast_ss(a + r);        \
+    c##r##0 = _mm256_fmadd_ps(ar, b0, c##r##0);          \
+    c##r##1 = _mm256_fmadd_ps(ar, b1, c##r##1);          \
+  }
+#define ENC_STORE(r)                           \
+  _mm256_storeu_ps(c + r * ldc, c##r##0);      \
+  _mm256_storeu_ps(c + r * ldc + 8, c##r##1);
+  ENC_ROWS(ENC_INIT)
+  for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    ENC_ROWS(ENC_FMA)
+  }
+  ENC_ROWS(ENC_STORE)
+#undef ENC_ROWS
+#undef ENC_INIT
+#undef ENC_FMA
+#undef ENC_STORE
+}
+
+// src [rows, cols] (row stride ld) -> [ceil(rows / 6)][cols][6]: element (i, j) at
+// [i / 6][j][i % 6]; rows past `rows` are zero. The A operand layout of enc_tile.
+inline void enc_pack_rows(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t g = 0; g < rows; g += kEncMR, dst += kEncMR * cols)
+    for (int64_t r = 0; r < kEncMR; ++r) {
+      if (g + r < rows) {
+        const float* s = src + (g + r) * ld;
+        for (int64_t j = 0; j < cols; ++j) dst[j * kEncMR + r] = s[j];
+      } else {
+        for (int64_t j = 0; j < cols; ++j) dst[j * kEncMR + r] = 0.0f;
+      }
+    }
+}
+
+// exp(x) for x <= 0 (softmax weights): exp_avx2's range reduction and polynomial with fused
+// multiply-adds, 16 vector operations instead of 27 (the softmax was a quarter of the kernel's time).
+// Within 2 ulp of exp; no scalar twin: this kernel has no scalar path (callers check the level).
+__attribute__((target("avx2,fma"))) inline __m256 enc_exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpLo));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC1), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC2), x);
+  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(kP0), x, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP5));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// One work item: queries q0 .. q0 + nq (nq <= 32) of head h. kp: the head's keys packed
+// ([Tr / 6][Dh][6]); vp: its values transposed and packed ([ceil(Dh / 6)][Tr][6]).
+__attribute__((target("avx2,fma"))) void enc_attention_item(const float* q, int64_t ldq, int64_t nq, int64_t T,
+                                                            int64_t Dh, const float* kp, const float* vp,
+                                                            float* out, int64_t ldo, float* qp, float* s,
+                                                            float* o) {
+  const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
+  for (int64_t d = 0; d < Dh; ++d)  // Qᵀ [Dh][32], queries past nq zero
+    for (int64_t i = 0; i < kEncQ; ++i) qp[d * kEncQ + i] = i < nq ? q[i * ldq + d] : 0.0f;
+  // Sᵀ [Tr][32], and each query's largest score as its rows are made (still in L1)
+  __m256 best0 = _mm256_set1_ps(-INFINITY), best1 = best0, best2 = best0, best3 = best0;
+  for (int64_t g = 0; g < Tr; g += kEncMR) {
+    float* sg = s + g * kEncQ;
+    enc_tile(kp + g * Dh, qp, kEncQ, Dh, sg, kEncQ, true);
+    enc_tile(kp + g * Dh, qp + kEncNR, kEncQ, Dh, sg + kEncNR, kEncQ, true);
+    for (int64_t r = 0; r < std::min(kEncMR, T - g); ++r, sg += kEncQ) {  // keys past T are padding
+      best0 = _mm256_max_ps(best0, _mm256_loadu_ps(sg));
+      best1 = _mm256_max_ps(best1, _mm256_loadu_ps(sg + 8));
+      best2 = _mm256_max_ps(best2, _mm256_loadu_ps(sg + 16));
+      best3 = _mm256_max_ps(best3, _mm256_loadu_ps(sg + 24));
+    }
+  }
+  // Pᵀ = exp(Sᵀ − best) in place, summed down the keys in order (named registers: see enc_tile);
+  // keys past T get zero weight
+  __m256 total0 = _mm256_setzero_ps(), total1 = total0, total2 = total0, total3 = total0;
+  for (int64_t t = 0; t < T; ++t) {
+    float* st = s + t * kEncQ;
+    const __m256 e0 = enc_exp(_mm256_sub_ps(_mm256_loadu_ps(st), best0));
+    const __m256 e1 = enc_exp(_mm256_sub_ps(_mm256_loadu_ps(st + 8), best1));
+    const __m256 e2 = enc_exp(_mm256_sub_ps(_mm256_loadu_ps(st + 16), best2));
+    const __m256 e3 = enc_exp(_mm256_sub_ps(_mm256_loadu_ps(st + 24), best3));
+    _mm256_storeu_ps(st, e0), _mm256_storeu_ps(st + 8, e1), _mm256_storeu_ps(st + 16, e2), _mm256_storeu_ps(st + 24, e3);
+    total0 = _mm256_add_ps(total0, e0), total1 = _mm256_add_ps(total1, e1);
+    total2 = _mm256_add_ps(total2, e2), total3 = _mm256_add_ps(total3, e3);
+  }
+  std::fill(s + T * kEncQ, s + Tr * kEncQ, 0.0f);
+  for (int64_t t0 = 0; t0 < Tr; t0 += kEncKC) {  // Oᵀ [Jr][32] = Vᵀ Pᵀ, keys in blocks
+    const int64_t kc = std::min(kEncKC, Tr - t0);
+    for (int64_t g = 0; g < Jr; g += kEncMR)
+      for (int64_t p = 0; p < kEncQ; p += kEncNR)
+        enc_tile(vp + g * Tr + t0 * kEncMR, s + t0 * kEncQ + p, kEncQ, kc, o + g * kEncQ + p, kEncQ, t0 == 0);
+  }
+  float inv[kEncQ];  // 1 / the weights' sum, as torch's flash kernel applies it
+  const __m256 one = _mm256_set1_ps(1.0f);
+  _mm256_storeu_ps(inv, _mm256_div_ps(one, total0)), _mm256_storeu_ps(inv + 8, _mm256_div_ps(one, total1));
+  _mm256_storeu_ps(inv + 16, _mm256_div_ps(one, total2)), _mm256_storeu_ps(inv + 24, _mm256_div_ps(one, total3));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < Dh; ++j) out[i * ldo + j] = o[j * kEncQ + i] * inv[i];
+}
+
+// qkv [T, 3 · H · Dh] (row stride free, q pre-scaled) -> [T, H · Dh]
+at::Tensor encoder_attention(const at::Tensor& qkv, int64_t heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "encoder_attention: qkv must be a float32 CPU matrix [T, 3 * d] with unit column stride");
+  TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0, "encoder_attention: ", qkv.size(1),
+              " columns are not 3 * heads * head_dim for heads = ", heads);
+  TORCH_CHECK(has_avx2(), "encoder_attention needs AVX2 and FMA (the caller checks the vector level)");
+  const int64_t T = qkv.size(0), d = qkv.size(1) / 3, Dh = d / heads, ld = qkv.stride(0);
+  at::Tensor out = at::empty({T, d}, qkv.options());
+  if (T == 0) return out;
+  const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
+  const int64_t head_pack = Tr * Dh + Jr * Tr;  // keys, then values
+  // scratch kept per thread across calls: fresh multi-MB buffers cost a page fault every 4 KB
+  // (≈ 1.5 ms a layer for base's 6 MB of packed keys and values)
+  thread_local std::vector<float> packed;
+  packed.resize(std::max(packed.size(), static_cast<size_t>(heads * head_pack)));
+  const float* base = qkv.data_ptr<float>();
+  float* pk = packed.data();
+  parallel_for(0, 2 * heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t h = i / 2;
+      if (i % 2 == 0) {  // keys as A of Sᵀ = K Qᵀ: [Tr / 6][Dh][6]
+        enc_pack_rows(base + d + h * Dh, ld, T, Dh, pk + h * head_pack);
+      } else {  // values transposed, as A of Oᵀ = Vᵀ Pᵀ: [Jr / 6][Tr][6]
+        float* dst = pk + h * head_pack + Tr * Dh;
+        std::fill(dst, dst + Jr * Tr, 0.0f);  // channels past Dh, keys past T
+        for (int64_t t = 0; t < T; ++t) {  // one value row at a time: each read once, in order
+          const float* v = base + t * ld + 2 * d + h * Dh;
+          for (int64_t j = 0; j < Dh; ++j) dst[(j / kEncMR) * kEncMR * Tr + t * kEncMR + j % kEncMR] = v[j];
+        }
+      }
+    }
+  });
+  const int64_t blocks = (T + kEncQ - 1) / kEncQ;
+  float* o = out.data_ptr<float>();
+  parallel_for(0, heads * blocks, 1, [&](int64_t b, int64_t e) {
+    thread_local std::vector<float> work;
+    work.resize(std::max(work.size(), static_cast<size_t>(Dh * kEncQ + Tr * kEncQ + Jr * kEncQ)));
+    float *qp = work.data(), *s = qp + Dh * kEncQ, *ot = s + Tr * kEncQ;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t h = i / blocks, q0 = (i % blocks) * kEncQ;
+      const float* kp = pk + h * head_pack;
+      enc_attention_item(base + q0 * ld + h * Dh, ld, std::min(kEncQ, T - q0), T, Dh, kp, kp + Tr * Dh,
+                         o + q0 * d + h * Dh, d, qp, s, ot);
+    }
+  });
+  return out;
+}
