@@ -14,6 +14,9 @@ ninja on first use) beside the PyTorch reference of each op, with the same signa
 - `decoder_step(decoder, tokens, input_pos, cache, kv_len)`: a whole decoder step in one call (the
   embeddings, the ops above in the order of `model.whisper.DecoderLayer.forward_rows`, the last
   norm): no per-op Python overhead.
+- `encoder_attention(qkv [T, 3 d], heads)`: the encoder's full self-attention read from its fused
+  projection (csrc/encoder_ops.h; AVX2 code only, used where AVX2 is the CPU's best level:
+  `encoder_attention_usable`); spec `encoder_attention_reference`, equal to float rounding.
 
 Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory bandwidth and
 2-3 rows as repeated GEMVs; these ops read every weight once for all rows, and compute each
