@@ -17,8 +17,8 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   csrc/encoder_ops.h): it reads q/k/v straight from the fused projection's output and writes the
   [T, d] rows the out projection reads; a plain softmax over each query's full row of scores
   (1500 keys fit in L2) on one register tile for both products. Whisper-base, two Zen 3 cores:
-  45.1 against 48.6 ms a layer for torch's flash kernel, the whole encoder 805 against 872 ms
-  (medians of 12 alternated windows). With AVX-512 (twice the vector width; the kernel is AVX2
+  45.1 against 48.6 ms a layer for torch's flash kernel, the whole encoder ≈ 3–6% faster (paired
+  medians 1.028–1.063 over 30 alternated windows; README). With AVX-512 (twice the vector width; the kernel is AVX2
   code) and for a draft's local layers it is PyTorch's flash kernel on head-major copies of
   q/k/v (≈ 8% faster than on strided views, the copy included), whose output ([T, H, Dh] in
   memory) feeds the out projection without a copy;
