@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -364,7 +363,8 @@ def _ops():
 def _build() -> None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
-    from .ops import build_dir, hold_build_lock, stage_sources  # one build folder and one source folder for all
+    # one build folder and one source folder for all
+    from .ops import build_dir, headers_flag, hold_build_lock, stage_sources
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -376,8 +376,6 @@ def _build() -> None:
     with contextlib.ExitStack() as stack:
         hold_build_lock(stack, directory)
         staged = stage_sources(directory, ("decode_ops.cpp", "encoder_ops.h"))
-        source = staged["decode_ops.cpp"]
-        # torch's JIT build versions by the sources' text only: the header's hash joins the flags
-        cflags.append(f"-DSPECWHISPER_ENCODER_OPS={hashlib.sha256(staged['encoder_ops.h'].read_bytes()).hexdigest()[:16]}")
-        load(name="specwhisper_decode_ops", sources=[str(source)], build_directory=str(directory),
+        cflags.append(headers_flag(staged, ("encoder_ops.h",)))
+        load(name="specwhisper_decode_ops", sources=[str(staged["decode_ops.cpp"])], build_directory=str(directory),
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

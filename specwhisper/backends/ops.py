@@ -274,12 +274,10 @@ def _build_cpp_extension() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         hold_build_lock(stack, directory)
         sources = stage_sources(directory, _SOURCES + _HEADERS)
-        # The JIT build versions by the sources' text only: the headers' hash joins the flags.
-        digest = hashlib.sha256(b"".join(sources[f].read_bytes() for f in _HEADERS)).hexdigest()[:16]
         # -ffp-contract=off: no FMA contraction, so the fp32 exp / log match the reference bit for
         # bit; -fno-trapping-math only lets the loops vectorise (it changes no result).
         cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd",
-                  f"-I{sources[_HEADERS[0]].parent}", f"-DSPECWHISPER_HEADERS={digest}"]
+                  f"-I{sources[_HEADERS[0]].parent}", headers_flag(sources, _HEADERS)]
         load(name="specwhisper_C", sources=[str(sources[f]) for f in _SOURCES], build_directory=str(directory),
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)
@@ -302,6 +300,13 @@ def stage_sources(directory: Path, names: tuple[str, ...]) -> dict[str, Path]:
                 tmp.write_bytes(text)
                 os.replace(tmp, path)  # a new mtime: ninja rebuilds what includes it
     return out
+
+
+def headers_flag(staged: dict[str, Path], headers: tuple[str, ...]) -> str:
+    """A compiler flag carrying the staged headers' hash: torch's JIT build versions an extension by
+    its sources' text only, so without it an edited header would not rebuild it."""
+    digest = hashlib.sha256(b"".join(staged[f].read_bytes() for f in headers)).hexdigest()[:16]
+    return f"-DSPECWHISPER_HEADERS={digest}"
 
 
 def hold_build_lock(stack: contextlib.ExitStack, directory: Path) -> None:
