@@ -456,14 +456,16 @@ def _race_pick_kernel(temperature_ptr, pmax_ptr, pidx_ptr, pbest_ptr, pbidx_ptr,
     """tokens[row]: the first chunk's winner among the best (race score, or logit for greedy rows)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, S_POW2)
+    # both reductions, then the row's pick (an if/else binding one name to float64 scores in one
+    # branch and float32 logits in the other does not compile on a GPU)
+    _best, best_chunk = tl.max(tl.load(pbest_ptr + row * S + c, mask=c < S, other=-2.0), axis=0,
+                           return_indices=True)
+    _max, max_chunk = tl.max(tl.load(pmax_ptr + row * S + c, mask=c < S, other=-_INF), axis=0,
+                          return_indices=True)
     if tl.load(temperature_ptr + row) > 0.0:
-        _, chunk = tl.max(tl.load(pbest_ptr + row * S + c, mask=c < S, other=-2.0), axis=0,
-                          return_indices=True)
-        token = tl.load(pbidx_ptr + row * S + chunk.to(tl.int64))
+        token = tl.load(pbidx_ptr + row * S + best_chunk.to(tl.int64))
     else:
-        _, chunk = tl.max(tl.load(pmax_ptr + row * S + c, mask=c < S, other=-_INF), axis=0,
-                          return_indices=True)
-        token = tl.load(pidx_ptr + row * S + chunk.to(tl.int64))
+        token = tl.load(pidx_ptr + row * S + max_chunk.to(tl.int64))
     tl.store(tokens_ptr + row, token)
 
 

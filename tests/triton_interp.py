@@ -95,3 +95,81 @@ class Interpreted:
                 return launcher(*args, **kwargs)
 
         return call
+
+
+class CompiledForGpu:
+    """kernels/<name>.py loaded afresh as Triton kernels (not interpreted) whose launches, while
+    `compiling()` is active, compile for a Hopper GPU (sm_90, ptxas included) instead of running:
+    what a GPU's compiler rejects (the interpreter runs code no compiler accepts, e.g. an if/else
+    that binds one name to two dtypes) is found on a machine without one. The launchers' outputs
+    are left unwritten. `compiled` lists (kernel, signature, constants) of each compilation."""
+
+    TARGET = ("cuda", 90, 32)
+
+    def __init__(self, name: str | Path):
+        path = Path(name) if isinstance(name, Path) else KERNELS / f"{name}.py"
+        previous = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            spec = importlib.util.spec_from_file_location(f"{path.stem}_compiled", path)
+            self.module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(self.module)
+        finally:
+            if previous is not None:
+                os.environ["TRITON_INTERPRET"] = previous
+        self.compiled: list[tuple[str, dict, dict]] = []
+
+    @contextlib.contextmanager
+    def compiling(self):
+        import triton
+        import triton.language as tl
+        import triton.language.standard as standard
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        # Triton's own helpers as compiled-mode functions (interpreted ones if Triton was first
+        # imported with TRITON_INTERPRET set, as on a machine without a GPU)
+        saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
+                 if isinstance(obj, InterpretedFunction)]
+        for ns, name, obj in saved:
+            setattr(ns, name, JITFunction(obj.fn))
+        option_names = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"}
+        done = self.compiled
+
+        def run(kernel, *args, grid, warmup, **kwargs):
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+            values = dict(zip([p.name for p in kernel.params], args)) | kwargs
+            signature, constants = {}, {}
+            for p in kernel.params:
+                value = values[p.name]
+                if p.is_constexpr:
+                    signature[p.name], constants[p.name] = "constexpr", value
+                elif isinstance(value, torch.Tensor):
+                    signature[p.name] = "*" + _TRITON_DTYPES[value.dtype]
+                elif isinstance(value, bool):
+                    signature[p.name] = "i1"
+                elif isinstance(value, int):
+                    signature[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                elif isinstance(value, float):
+                    signature[p.name] = "fp32"
+                else:
+                    raise TypeError(f"{kernel.fn.__name__}: argument {p.name} = {value!r}")
+            entry = (kernel.fn.__name__, signature, dict(constants, **options))
+            if entry not in done:
+                triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                               target=GPUTarget(*self.TARGET), options=options)
+                done.append(entry)
+
+        saved_run = JITFunction.run
+        JITFunction.run = run
+        try:
+            yield self.module
+        finally:
+            JITFunction.run = saved_run
+            for ns, name, obj in saved:
+                setattr(ns, name, obj)
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                  torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
