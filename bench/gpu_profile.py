@@ -58,7 +58,8 @@ def kernel_profile(step, device, steps: int = 5) -> dict:
                 top=[dict(name=n, us_per_step=round(t, 1)) for n, t in top])
 
 
-def decode_linear_section(device, dtype, clock) -> dict:
+def decode_linear_section(device, dtype, clock, tiles=((32, 128, 4, 0), (32, 128, 4, 256), (32, 256, 4, 512),
+                                                      (32, 256, 4, 1024), (64, 128, 8, 256))) -> dict:
     from specwhisper.backends.ops import _import_kernels
 
     kernel = _import_kernels("decode_ops")
@@ -82,8 +83,9 @@ def decode_linear_section(device, dtype, clock) -> dict:
             f = F.gelu(F.linear(F.layer_norm(y, (d,), *LN[2]), W["fc1"], B["fc1"]))
             return y + F.linear(f, W["fc2"], B["fc2"])
 
-        def fused_layer(block_n=32, block_k=128):
-            lin = lambda *a, **kw: kernel.decode_linear(*a, block_n=block_n, block_k=block_k, **kw)  # noqa: E731
+        def fused_layer(block_n, block_k, warps, split_k):
+            lin = lambda *a, **kw: kernel.decode_linear(*a, block_n=block_n, block_k=block_k,  # noqa: E731
+                                                        num_warps=warps, split_k=split_k, **kw)
             h = lin(x, W["qkv"], B["qkv"], layer_norm=LN[0])
             y = lin(h[:, :d].contiguous(), W["out"], B["out"], residual=x)
             q = lin(y, W["q"], B["q"], layer_norm=LN[1])
@@ -94,12 +96,13 @@ def decode_linear_section(device, dtype, clock) -> dict:
         timed = {}
         graphs = StepGraphs(True, device)
         timed["torch"] = clock(lambda: graphs.run(("torch", rows), torch_layer)) * 1e6
-        for block_n, block_k in ((32, 128), (16, 128), (64, 128), (32, 64), (32, 256)):
-            fn = lambda bn=block_n, bk=block_k: fused_layer(bn, bk)  # noqa: E731
+        for tile in tiles:
+            name = "fused n{} k{} w{} split {}".format(*tile)
+            fn = lambda tile=tile: fused_layer(*tile)  # noqa: E731
             try:
-                timed[f"fused n{block_n} k{block_k}"] = clock(lambda: graphs.run(("fused", rows, block_n, block_k), fn)) * 1e6
+                timed[name] = clock(lambda: graphs.run(("fused", rows, *tile), fn)) * 1e6
             except Exception as exc:
-                timed[f"fused n{block_n} k{block_k}"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                timed[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
         weights = sum(w.numel() * w.element_size() for w in W.values())
         result[f"rows={rows}"] = dict(us_per_layer=timed, weight_bytes=weights)
         print(f"decode_linear, one layer's linears, {rows} rows (us, graphed): {timed}", flush=True)
@@ -137,6 +140,24 @@ def engine_profile(folder, device, dtype, tokens: int) -> dict:
                 host_top=[dict(name=k[:80], self_ms_per_token=round(t / n / 1e3, 4)) for k, t in host])
 
 
+SECTIONS = ("steps", "decode_ops", "attention", "linear", "engine", "race", "compile")
+
+
+def _numbers(text: str, names: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(","))
+    if len(values) != len(names.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: want {names}")
+    return values
+
+
+def _tile(text: str) -> tuple[int, ...]:
+    return _numbers(text, "N,K,WARPS,SPLIT")
+
+
+def _ops_config(text: str) -> tuple[int, ...]:
+    return _numbers(text, "N,K,WARPS,SPLIT,CHUNK")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=Path, required=True)
@@ -148,6 +169,12 @@ def main(argv=None) -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--compile-mode", default="default", help="torch.compile mode (its own cudagraphs off)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="which parts to run (default: all)")
+    ap.add_argument("--tiles", nargs="+", type=_tile, default=None,
+                    help="decode_linear tiles N,K,WARPS,SPLIT for the linear sweep (SPLIT 0: one split)")
+    ap.add_argument("--decode-ops", nargs="+", type=_ops_config, default=None,
+                    help="decode-ops step configurations N,K,WARPS,SPLIT,CHUNK (default: the kernels' own)")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +189,7 @@ def main(argv=None) -> None:
         path.write_text(json.dumps(out, indent=1))
 
     cache = filled_cache(target, args.batch, device, dtype)
-    for w in args.widths:
+    for w in args.widths if "steps" in args.sections else ():
         step = StaticStep(target, cache, w)
         graphs = StepGraphs(True, device)
         row = dict(eager_ms=clock(step) * 1e3,
@@ -176,29 +203,41 @@ def main(argv=None) -> None:
             print(f"   {t['us_per_step']:8.1f} us  {t['name']}", flush=True)
         save()
 
-    # the whole step on the GPU decode ops (Whisper.fuse_decode_ops): time, kernels, argmax
-    if device.type == "cuda":
+    # the whole step on the GPU decode ops (Whisper.fuse_decode_ops): time, kernels, argmax, for
+    # each configuration asked for (decode_linear's tile, decode_attention's chunk)
+    if device.type == "cuda" and "decode_ops" in args.sections:
+        from specwhisper.backends.ops import _import_kernels
+
+        kernel = _import_kernels("decode_ops")
+        own = (*kernel.LINEAR_TILE, kernel.CHUNK)
         fused = {}
-        for w in args.widths:
-            step = StaticStep(target, cache, w)
-            reference = step().clone()
-            target.model.fuse_decode_ops()
-            try:
-                graphs = StepGraphs(True, device)
-                fused[w] = dict(graphed_ms=clock(lambda: graphs.run(("fused", w), step)) * 1e3,
-                                same_argmax=bool(torch.equal(step(), reference)))
-                fused[w]["profile"] = kernel_profile(step, device)
-            except Exception as exc:
-                fused[w] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
-            finally:
-                target.model.decoder.fused_ops = None
-            print(f"decode ops (Whisper.fuse_decode_ops), width {w}: {fused[w]}", flush=True)
+        for config in args.decode_ops or [own]:
+            kernel.LINEAR_TILE, kernel.CHUNK = config[:4], config[4]
+            for w in args.widths:
+                name = "width {} n{} k{} w{} split {} chunk {}".format(w, *config)
+                step = StaticStep(target, cache, w)
+                reference = step().clone()
+                target.model.fuse_decode_ops(kernel)
+                try:
+                    graphs = StepGraphs(True, device)
+                    fused[name] = dict(graphed_ms=clock(lambda: graphs.run(("fused", w), step)) * 1e3,
+                                       same_argmax=bool(torch.equal(step(), reference)))
+                    fused[name]["profile"] = kernel_profile(step, device)
+                except Exception as exc:
+                    fused[name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                finally:
+                    target.model.decoder.fused_ops = None
+                top = fused[name].get("profile", {}).get("top", [])[:4]
+                print(f"decode ops, {name}: {fused[name].get('graphed_ms', fused[name].get('error'))} ms graphed, "
+                      f"same argmax {fused[name].get('same_argmax')}, top "
+                      f"{[(t['name'][:40], t['us_per_step']) for t in top]}", flush=True)
+        kernel.LINEAR_TILE, kernel.CHUNK = own[:4], own[4]
         out["fused_ops_step"] = fused
         save()
 
     # attention: which of torch's SDPA kernels serves the decode step's shapes best (cuDNN's is
     # chosen by default: 1 query and 5 queries over 449 self slots and 1500 audio frames)
-    if device.type == "cuda":
+    if device.type == "cuda" and "attention" in args.sections:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         sets = {"default": None, "no cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -224,25 +263,26 @@ def main(argv=None) -> None:
 
     # the fused decode linear (kernels/decode_ops.py) against torch's ops for one large-v3 layer's
     # six linears with their layer norms, GELU and residual adds, graphed, 1 and 5 rows
-    if device.type == "cuda" and dtype != torch.float32:
-        out["decode_linear"] = decode_linear_section(device, dtype, clock)
+    if device.type == "cuda" and dtype != torch.float32 and "linear" in args.sections:
+        out["decode_linear"] = decode_linear_section(device, dtype, clock, *([args.tiles] if args.tiles else []))
         save()
 
     # one call end to end: what a token costs beyond the graphed step
-    try:
-        out["engine"] = engine_profile(folders["large-v3"], device, dtype, 8 if args.quick else 64)
-        e = out["engine"]
-        print(f"engine, target-only, B=1, a call over its {e['tokens']} tokens: {e['wall_ms_per_token']:.3f} ms "
-              f"wall a token, {e['kernel_ms_per_token']:.3f} ms of kernels; top self CPU: {e['host_top'][:6]}",
-              flush=True)
-    except Exception as exc:
-        out["engine"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
-    save()
+    if "engine" in args.sections:
+        try:
+            out["engine"] = engine_profile(folders["large-v3"], device, dtype, 8 if args.quick else 64)
+            e = out["engine"]
+            print(f"engine, target-only, B=1, a call over its {e['tokens']} tokens: {e['wall_ms_per_token']:.3f} "
+                  f"ms wall a token, {e['kernel_ms_per_token']:.3f} ms of kernels; top self CPU: "
+                  f"{e['host_top'][:6]}", flush=True)
+        except Exception as exc:
+            out["engine"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        save()
 
     # the race kernel of a sampled verify: B x (k+1) rows of the vocabulary
     from specwhisper.backends import ops
 
-    kernels = ops.triton_kernels() if device.type == "cuda" else None
+    kernels = ops.triton_kernels() if device.type == "cuda" and "race" in args.sections else None
     if kernels is not None:
         V, race = 51866, {}
         for n in (1, 5, 40):
@@ -266,7 +306,7 @@ def main(argv=None) -> None:
         print("race sampling (us, graphed):", race, flush=True)
         save()
 
-    if not args.no_compile:
+    if not args.no_compile and "compile" in args.sections:
         compiled = {}
         for w in args.widths:
             step = StaticStep(target, cache, w)

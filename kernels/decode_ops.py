@@ -8,9 +8,9 @@ bias, an optional GELU and an optional residual add after it,
     out = residual + gelu(layer_norm(x) @ weight.T + bias)      (each part optional)
 
 Rows are independent bit for bit: every output element is computed by the same operations in the
-same order whatever the number of rows or their values (a fixed tile of BLOCK_M rows, a fixed
-BLOCK_K walk over the features, each row's layer-norm statistics from that row alone; no
-autotuning, which would pick tiles by timing). So a verify pass of k + 1 tokens and a one-token
+same order whatever the number of rows or their values (a fixed tile of BLOCK_M rows, the features
+in fixed splits each walked BLOCK_K at a time and the splits added in order, each row's layer-norm
+statistics from that row alone; no autotuning, which would pick tiles by timing). So a verify pass of k + 1 tokens and a one-token
 step give each token the same bits, in float16 too: what exact speculative decoding in half
 precision needs (torch's GEMMs pick kernels by shape).
 
@@ -33,54 +33,19 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per tile (the smallest tensor-core tile); more rows take more tiles
+# decode_linear's default (block_n, block_k, num_warps, split_k), read at each call; block_k and
+# split_k fix the arithmetic. The fastest of those swept on an H200 (bench/gpu_profile.py
+# --decode-ops, large-v3 float16, B = 1): a one-token step 2.47 ms, (32, 128, 4, 0) 3.30 ms
+LINEAR_TILE = (32, 256, 4, 1024)
 _SQRT_HALF = tl.constexpr(1.0 / math.sqrt(2.0))
 
 
 @triton.jit
-def _decode_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
-    k_cache_ptr, v_cache_ptr, pos_ptr,
-    M, N, K, eps,
-    stride_xm, stride_wn, stride_rm, stride_om,
-    T, D, stride_cb, stride_ch, stride_cs, stride_pb,
-    HAS_BIAS: tl.constexpr, LN: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
-    KV_WRITE: tl.constexpr, DH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_in, n_in = rm < M, rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    if LN:  # each row's mean and variance, float32, from that row alone
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + rk[None, :], mask=m_in[:, None] & (rk < K)[None, :], other=0.0)
-            total += tl.sum(x.to(tl.float32), axis=1)
-        mean = total / K
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mask = m_in[:, None] & (rk < K)[None, :]
-            x = tl.load(x_rows + rk[None, :], mask=mask, other=0.0)
-            d = tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
-            squares += tl.sum(d * d, axis=1)
-        rstd = 1.0 / tl.sqrt(squares / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_in = rk < K
-        x = tl.load(x_rows + rk[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
-        w = tl.load(w_cols + rk[:, None], mask=k_in[:, None] & n_in[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if LN:
-            g = tl.load(ln_w_ptr + rk, mask=k_in, other=0.0).to(tl.float32)
-            b = tl.load(ln_b_ptr + rk, mask=k_in, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]).to(w.dtype)
-        if IEEE:  # float32: full-precision products (Triton's default for float32 is TF32)
-            acc = tl.dot(x.to(w.dtype), w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x.to(w.dtype), w, acc)
+def _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                     stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
+                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
+                     KV_WRITE: tl.constexpr, DH: tl.constexpr):
+    """bias, GELU, residual, the store and the cache writes of a [rows, cols] float32 tile."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
     if GELU:  # exact (erf) GELU, as torch's default and Whisper's
@@ -103,21 +68,111 @@ def _decode_linear_kernel(
         tl.store(v_cache_ptr + at, value, mask=out_mask & is_v[None, :])
 
 
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, part_ptr,
+    k_cache_ptr, v_cache_ptr, pos_ptr,
+    M, N, K, K_SPLIT, eps,
+    stride_xm, stride_wn, stride_rm, stride_om,
+    T, D, stride_cb, stride_ch, stride_cs, stride_pb,
+    HAS_BIAS: tl.constexpr, LN: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
+    KV_WRITE: tl.constexpr, DH: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (BLOCK_N columns, BLOCK_M rows, K_SPLIT features) tile of the product. PARTIAL: its
+    float32 sum into part[split, row, col] (the splits are added in order by the epilogue kernel);
+    else (one split) the epilogue here."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    m_in, n_in = rm < M, rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    if LN:  # each row's mean and variance, float32, from that row alone (every split its own copy)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + rk[None, :], mask=m_in[:, None] & (rk < K)[None, :], other=0.0)
+            total += tl.sum(x.to(tl.float32), axis=1)
+        mean = total / K
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask = m_in[:, None] & (rk < K)[None, :]
+            x = tl.load(x_rows + rk[None, :], mask=mask, other=0.0)
+            d = tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
+            squares += tl.sum(d * d, axis=1)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+    k_start = split * K_SPLIT
+    for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_in = rk < K
+        x = tl.load(x_rows + rk[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
+        w = tl.load(w_cols + rk[:, None], mask=k_in[:, None] & n_in[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if LN:
+            g = tl.load(ln_w_ptr + rk, mask=k_in, other=0.0).to(tl.float32)
+            b = tl.load(ln_b_ptr + rk, mask=k_in, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]).to(w.dtype)
+        if IEEE:  # float32: full-precision products (Triton's default for float32 is TF32)
+            acc = tl.dot(x.to(w.dtype), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(w.dtype), w, acc)
+    if PARTIAL:
+        at = (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptr + at, acc, mask=m_in[:, None] & n_in[None, :])
+    else:
+        _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                         stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
+                         HAS_BIAS, GELU, RESIDUAL, KV_WRITE, DH)
+
+
+@triton.jit
+def _decode_linear_epilogue_kernel(
+    part_ptr, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+    M, N, SPLITS, stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
+    HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, KV_WRITE: tl.constexpr,
+    DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The splits' partial sums added in order (0, 1, ...), then the epilogue."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_in, n_in = rm < M, rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for split in range(0, SPLITS):
+        at = (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        acc += tl.load(part_ptr + at, mask=m_in[:, None] & n_in[None, :], other=0.0)
+    _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                     stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
+                     HAS_BIAS, GELU, RESIDUAL, KV_WRITE, DH)
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   layer_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gelu: bool = False,
                   residual: torch.Tensor | None = None,
                   kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  block_n: int = 32, block_k: int = 128) -> torch.Tensor:
+                  block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K] (the same float dtype, K contiguous), bias [N] or None;
     layer_norm = (weight [K], bias [K], eps) applied to x first; residual [M, N] added last
     -> [M, N] in x's dtype. `kv_write` = (k_cache, v_cache [B, H, S, Dh], write_pos [B, T]) for a
     fused q/k/v projection (N = 3 H Dh, M = B T): its key and value columns are also written into
-    the caches at each row's slot (the scatter the layer would do next). `block_n` only changes the
-    parallel split; `block_k` (with BLOCK_M) fixes the arithmetic, so keep it fixed for results that
-    must match."""
+    the caches at each row's slot (the scatter the layer would do next).
+
+    The tiling (None takes `LINEAR_TILE`'s): `block_n` columns and `num_warps` a program only
+    change the parallel split; `block_k` and `split_k` fix the arithmetic (keep them fixed for
+    results that must match): the features are cut into splits of `split_k` (a multiple of
+    block_k; 0: one split), each split's product summed in float32 by its own programs (many more
+    programs than columns / block_n: a one-row product reads its weights at the GPU's bandwidth
+    only with enough of them), and the splits added in order by a second kernel."""
+    block_n = block_n or LINEAR_TILE[0]
+    block_k = block_k or LINEAR_TILE[1]
+    num_warps = num_warps or LINEAR_TILE[2]
+    split_k = LINEAR_TILE[3] if split_k is None else split_k
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32), (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "the feature dim must be contiguous"
+    assert split_k % block_k == 0, f"split_k {split_k}: a multiple of block_k {block_k}"
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -142,17 +197,24 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         T, H, Dh, cache_strides = 1, 1, 16, (0, 0, 0, 0)
     if M == 0:
         return out
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M))
-    _decode_linear_kernel[grid](
-        x, weight, bias if bias is not None else x, ln_w, ln_b, residual if residual is not None else x, out,
-        k_cache, v_cache, pos,
-        M, N, K, float(eps), x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
-        T, H * Dh, *cache_strides,
-        HAS_BIAS=bias is not None, LN=layer_norm is not None, GELU=gelu, RESIDUAL=residual is not None,
-        KV_WRITE=kv_write is not None, DH=Dh,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4,
+    k_split = split_k if 0 < split_k < K else triton.cdiv(K, block_k) * block_k
+    splits = triton.cdiv(K, k_split)
+    partial = splits > 1
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if partial else out
+    epilogue = (bias if bias is not None else x, residual if residual is not None else x, out,
+                k_cache, v_cache, pos)
+    flags = dict(HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
+                 KV_WRITE=kv_write is not None, DH=Dh)
+    strides = (residual.stride(0) if residual is not None else 0, out.stride(0), T, H * Dh, *cache_strides)
+    _decode_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M), splits)](
+        x, weight, epilogue[0], ln_w, ln_b, epilogue[1], out, part, *epilogue[3:],
+        M, N, K, k_split, float(eps), x.stride(0), weight.stride(0), *strides,
+        LN=layer_norm is not None, PARTIAL=partial, **flags,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps,
     )
+    if partial:
+        _decode_linear_epilogue_kernel[(triton.cdiv(N, 128), triton.cdiv(M, BLOCK_M))](
+            part, *epilogue, M, N, splits, *strides, **flags, BLOCK_M=BLOCK_M, BLOCK_N=128, num_warps=4)
     return out
 
 
@@ -180,7 +242,9 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 # --- attention ------------------------------------------------------------------------------------
 
-CHUNK = 64  # cache slots per program (fixed: the combine's order, hence the bits, depend on it)
+# cache slots per program (fixed: the combine's order, hence the bits, depend on it); 256 rather
+# than 64: the combine of 1500 audio frames' chunks took 332 us a large-v3 step at 64, 148 at 256
+CHUNK = 256
 QUERIES = 16  # query rows per tile (the smallest tensor-core tile; padding rows are never stored)
 
 

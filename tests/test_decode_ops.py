@@ -59,6 +59,25 @@ def test_interpreted_matches_reference(interpreted, M, K, N, dtype, opts):
 
 
 @needs_triton
+@pytest.mark.parametrize("split_k", [0, 32, 96])
+def test_interpreted_split_features_match_reference_and_keep_rows_independent(interpreted, split_k):
+    """The features cut into splits of split_k (0: one), each summed by its own programs, then
+    added in order by the epilogue kernel: the reference's values, and a row's bits the same
+    whether it is computed alone or among others."""
+    opts = OPTIONS["all"]
+    args = inputs(6, 257, 40, torch.float32, seed=11)
+    run = lambda a: call(lambda *x, **kw: interpreted.decode_linear(  # noqa: E731
+        *x, block_n=16, block_k=32, split_k=split_k, **kw), a, opts)
+    full = run(args)
+    expected = call(interpreted.module.decode_linear_reference, args, opts)
+    torch.testing.assert_close(full, expected, rtol=1e-4, atol=1e-4)
+    alone = run([a[2:3] if isinstance(a, torch.Tensor) and a.shape[0] == 6 else a for a in args])
+    assert torch.equal(alone, full[2:3])
+    with pytest.raises(AssertionError, match="multiple of block_k"):
+        interpreted.decode_linear(args[0], args[1], block_k=32, split_k=48)
+
+
+@needs_triton
 def test_interpreted_kv_write_fills_the_caches_as_a_scatter_would(interpreted):
     """A fused q/k/v projection with kv_write: its output as without, and its key and value
     columns in the caches at each row's slot (the scratch slot too), nothing else touched."""
@@ -246,7 +265,8 @@ def attention_inputs(B, H, T, S, Dh, dtype, seed=0, device="cpu", full=False):
 @needs_triton
 @pytest.mark.parametrize("B,H,T,S,Dh,dtype", [(1, 2, 1, 7, 16, "fp32"), (2, 3, 5, 100, 32, "fp16"),
                                               (2, 2, 17, 130, 64, "fp32"), (1, 4, 3, 449, 64, "fp16")])
-def test_interpreted_attention_matches_reference(interpreted, B, H, T, S, Dh, dtype):
+def test_interpreted_attention_matches_reference(interpreted, monkeypatch, B, H, T, S, Dh, dtype):
+    monkeypatch.setattr(interpreted.module, "CHUNK", 64)  # several chunks a cache, combined in order
     q, k, v, n = attention_inputs(B, H, T, S, Dh, DTYPES[dtype], seed=B + T + S)
     got = interpreted.decode_attention(q, k, v, n)
     expected = interpreted.module.decode_attention_reference(q, k, v, n)
@@ -266,8 +286,9 @@ def test_interpreted_attention_reference_is_masked_softmax_attention(interpreted
 
 
 @needs_triton
-def test_interpreted_attention_ignores_slots_past_n(interpreted):
+def test_interpreted_attention_ignores_slots_past_n(interpreted, monkeypatch):
     """Slots a query does not read (past n, a wider cache) change nothing, bit for bit."""
+    monkeypatch.setattr(interpreted.module, "CHUNK", 64)
     q, k, v, n = attention_inputs(2, 2, 3, 70, 32, torch.float16, seed=5)
     n = n.clamp(max=60)
     got = interpreted.decode_attention(q, k, v, n)
