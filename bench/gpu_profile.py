@@ -58,8 +58,8 @@ def kernel_profile(step, device, steps: int = 5) -> dict:
                 top=[dict(name=n, us_per_step=round(t, 1)) for n, t in top])
 
 
-def decode_linear_section(device, dtype, clock, tiles=((32, 128, 4, 0), (32, 128, 4, 256), (32, 256, 4, 512),
-                                                      (32, 256, 4, 1024), (64, 128, 8, 256))) -> dict:
+def decode_linear_section(device, dtype, clock, tiles=((32, 128, 4, 0), (32, 256, 4, 512), (32, 256, 4, 1024),
+                                                      (32, 256, 4, 1024, 1), (64, 256, 8, 512, 1))) -> dict:
     from specwhisper.backends.ops import _import_kernels
 
     kernel = _import_kernels("decode_ops")
@@ -83,9 +83,9 @@ def decode_linear_section(device, dtype, clock, tiles=((32, 128, 4, 0), (32, 128
             f = F.gelu(F.linear(F.layer_norm(y, (d,), *LN[2]), W["fc1"], B["fc1"]))
             return y + F.linear(f, W["fc2"], B["fc2"])
 
-        def fused_layer(block_n, block_k, warps, split_k):
+        def fused_layer(block_n, block_k, warps, split_k, serial=0):
             lin = lambda *a, **kw: kernel.decode_linear(*a, block_n=block_n, block_k=block_k,  # noqa: E731
-                                                        num_warps=warps, split_k=split_k, **kw)
+                                                        num_warps=warps, split_k=split_k, serial=bool(serial), **kw)
             h = lin(x, W["qkv"], B["qkv"], layer_norm=LN[0])
             y = lin(h[:, :d].contiguous(), W["out"], B["out"], residual=x)
             q = lin(y, W["q"], B["q"], layer_norm=LN[1])
@@ -97,7 +97,8 @@ def decode_linear_section(device, dtype, clock, tiles=((32, 128, 4, 0), (32, 128
         graphs = StepGraphs(True, device)
         timed["torch"] = clock(lambda: graphs.run(("torch", rows), torch_layer)) * 1e6
         for tile in tiles:
-            name = "fused n{} k{} w{} split {}".format(*tile)
+            tile = (*tile, 0)[:5]  # serial 0 where left out
+            name = "fused n{} k{} w{} split {} serial {}".format(*tile)
             fn = lambda tile=tile: fused_layer(*tile)  # noqa: E731
             try:
                 timed[name] = clock(lambda: graphs.run(("fused", rows, *tile), fn)) * 1e6
@@ -144,18 +145,20 @@ SECTIONS = ("steps", "decode_ops", "attention", "linear", "engine", "race", "com
 
 
 def _numbers(text: str, names: str) -> tuple[int, ...]:
-    values = tuple(int(v) for v in text.split(","))
-    if len(values) != len(names.split(",")):
+    """'1,2,3' -> (1, 2, 3), as many as `names` lists ('[,X]': X optional, 0 if left out)."""
+    values = [int(v) for v in text.split(",")]
+    required, optional = names.split("[")[0].rstrip(",").split(","), names.count("[")
+    if not len(required) <= len(values) <= len(required) + optional:
         raise argparse.ArgumentTypeError(f"{text!r}: want {names}")
-    return values
+    return tuple(values + [0] * (len(required) + optional - len(values)))
 
 
 def _tile(text: str) -> tuple[int, ...]:
-    return _numbers(text, "N,K,WARPS,SPLIT")
+    return _numbers(text, "N,K,WARPS,SPLIT[,SERIAL]")
 
 
 def _ops_config(text: str) -> tuple[int, ...]:
-    return _numbers(text, "N,K,WARPS,SPLIT,CHUNK")
+    return _numbers(text, "N,K,WARPS,SPLIT,CHUNK[,SERIAL]")
 
 
 def main(argv=None) -> None:
@@ -172,9 +175,11 @@ def main(argv=None) -> None:
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                     help="which parts to run (default: all)")
     ap.add_argument("--tiles", nargs="+", type=_tile, default=None,
-                    help="decode_linear tiles N,K,WARPS,SPLIT for the linear sweep (SPLIT 0: one split)")
+                    help="decode_linear tiles N,K,WARPS,SPLIT[,SERIAL] for the linear sweep (SPLIT 0: one "
+                         "split; SERIAL 1: the splits added by the tile's last program)")
     ap.add_argument("--decode-ops", nargs="+", type=_ops_config, default=None,
-                    help="decode-ops step configurations N,K,WARPS,SPLIT,CHUNK (default: the kernels' own)")
+                    help="decode-ops step configurations N,K,WARPS,SPLIT,CHUNK[,SERIAL] (default: the kernels' own, "
+                         "and it with SERIAL flipped)")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -209,12 +214,13 @@ def main(argv=None) -> None:
         from specwhisper.backends.ops import _import_kernels
 
         kernel = _import_kernels("decode_ops")
-        own = (*kernel.LINEAR_TILE, kernel.CHUNK)
+        own = (*kernel.LINEAR_TILE[:4], kernel.CHUNK, int(kernel.LINEAR_TILE[4]))
         fused = {}
-        for config in args.decode_ops or [own]:
-            kernel.LINEAR_TILE, kernel.CHUNK = config[:4], config[4]
+        # by default the kernels' own configuration and the same with the other split reduction
+        for config in args.decode_ops or [own, (*own[:5], 1 - own[5])]:
+            kernel.LINEAR_TILE, kernel.CHUNK = (*config[:4], bool(config[5])), config[4]
             for w in args.widths:
-                name = "width {} n{} k{} w{} split {} chunk {}".format(w, *config)
+                name = "width {} n{} k{} w{} split {} chunk {} serial {}".format(w, *config)
                 step = StaticStep(target, cache, w)
                 reference = step().clone()
                 target.model.fuse_decode_ops(kernel)
@@ -231,7 +237,7 @@ def main(argv=None) -> None:
                 print(f"decode ops, {name}: {fused[name].get('graphed_ms', fused[name].get('error'))} ms graphed, "
                       f"same argmax {fused[name].get('same_argmax')}, top "
                       f"{[(t['name'][:40], t['us_per_step']) for t in top]}", flush=True)
-        kernel.LINEAR_TILE, kernel.CHUNK = own[:4], own[4]
+        kernel.LINEAR_TILE, kernel.CHUNK = (*own[:4], bool(own[5])), own[4]
         out["fused_ops_step"] = fused
         save()
 

@@ -33,10 +33,12 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per tile (the smallest tensor-core tile); more rows take more tiles
-# decode_linear's default (block_n, block_k, num_warps, split_k), read at each call; block_k and
-# split_k fix the arithmetic. The fastest of those swept on an H200 (bench/gpu_profile.py
-# --decode-ops, large-v3 float16, B = 1): a one-token step 2.47 ms, (32, 128, 4, 0) 3.30 ms
-LINEAR_TILE = (32, 256, 4, 1024)
+# decode_linear's default (block_n, block_k, num_warps, split_k, serial), read at each call;
+# block_k and split_k fix the arithmetic. The fastest of those swept on an H200
+# (bench/gpu_profile.py --decode-ops, large-v3 float16, B = 1): a one-token step 2.47 ms,
+# (32, 128, 4, 0) 3.30 ms. serial (not yet timed on a GPU): the splits added by the last program
+# of each tile instead of a second kernel
+LINEAR_TILE = (32, 256, 4, 1024, False)
 _SQRT_HALF = tl.constexpr(1.0 / math.sqrt(2.0))
 
 
@@ -70,18 +72,19 @@ def _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cach
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
     k_cache_ptr, v_cache_ptr, pos_ptr,
     M, N, K, K_SPLIT, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     T, D, stride_cb, stride_ch, stride_cs, stride_pb,
     HAS_BIAS: tl.constexpr, LN: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
-    KV_WRITE: tl.constexpr, DH: tl.constexpr, PARTIAL: tl.constexpr,
+    KV_WRITE: tl.constexpr, DH: tl.constexpr, PARTIAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (BLOCK_N columns, BLOCK_M rows, K_SPLIT features) tile of the product. PARTIAL: its
-    float32 sum into part[split, row, col] (the splits are added in order by the epilogue kernel);
-    else (one split) the epilogue here."""
+    float32 sum into part[split, row, col], the splits then added in order (0, 1, ...) by the
+    epilogue kernel, or (SERIAL) by whichever of the tile's programs arrives last (a counter per
+    tile, left at zero for the next launch), then the epilogue; else (one split) the epilogue."""
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -121,6 +124,20 @@ def _decode_linear_kernel(
     if PARTIAL:
         at = (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
         tl.store(part_ptr + at, acc, mask=m_in[:, None] & n_in[None, :])
+        if SERIAL:
+            splits = tl.num_programs(2)
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            tl.debug_barrier()  # every thread's partial stored before the counter moves
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                summed = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, splits):  # the epilogue kernel's order: the same bits
+                    at = (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+                    summed += tl.load(part_ptr + at, mask=m_in[:, None] & n_in[None, :], other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(count_ptr + tile, 0)
+                _linear_epilogue(summed, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
+                                 pos_ptr, stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
+                                 HAS_BIAS, GELU, RESIDUAL, KV_WRITE, DH)
     else:
         _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                          stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
@@ -152,7 +169,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None,
                   kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                   block_n: int | None = None, block_k: int | None = None,
-                  num_warps: int | None = None, split_k: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, split_k: int | None = None,
+                  serial: bool | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K] (the same float dtype, K contiguous), bias [N] or None;
     layer_norm = (weight [K], bias [K], eps) applied to x first; residual [M, N] added last
     -> [M, N] in x's dtype. `kv_write` = (k_cache, v_cache [B, H, S, Dh], write_pos [B, T]) for a
@@ -164,11 +182,14 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     results that must match): the features are cut into splits of `split_k` (a multiple of
     block_k; 0: one split), each split's product summed in float32 by its own programs (many more
     programs than columns / block_n: a one-row product reads its weights at the GPU's bandwidth
-    only with enough of them), and the splits added in order by a second kernel."""
+    only with enough of them), and the splits added in order by a second kernel or (`serial`) by
+    the last of a tile's programs to finish (the same bits, one launch; the tiles' counters are
+    shared by every call on the device, so calls must not run concurrently on two streams)."""
     block_n = block_n or LINEAR_TILE[0]
     block_k = block_k or LINEAR_TILE[1]
     num_warps = num_warps or LINEAR_TILE[2]
     split_k = LINEAR_TILE[3] if split_k is None else split_k
+    serial = LINEAR_TILE[4] if serial is None else serial
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32), (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "the feature dim must be contiguous"
@@ -201,21 +222,39 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     splits = triton.cdiv(K, k_split)
     partial = splits > 1
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if partial else out
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M), splits)
+    serial = serial and partial
+    count = _tile_counters(x.device, grid[0] * grid[1]) if serial else out
     epilogue = (bias if bias is not None else x, residual if residual is not None else x, out,
                 k_cache, v_cache, pos)
     flags = dict(HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
                  KV_WRITE=kv_write is not None, DH=Dh)
     strides = (residual.stride(0) if residual is not None else 0, out.stride(0), T, H * Dh, *cache_strides)
-    _decode_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M), splits)](
-        x, weight, epilogue[0], ln_w, ln_b, epilogue[1], out, part, *epilogue[3:],
+    _decode_linear_kernel[grid](
+        x, weight, epilogue[0], ln_w, ln_b, epilogue[1], out, part, count, *epilogue[3:],
         M, N, K, k_split, float(eps), x.stride(0), weight.stride(0), *strides,
-        LN=layer_norm is not None, PARTIAL=partial, **flags,
+        LN=layer_norm is not None, PARTIAL=partial, SERIAL=serial, **flags,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps,
     )
-    if partial:
+    if partial and not serial:
         _decode_linear_epilogue_kernel[(triton.cdiv(N, 128), triton.cdiv(M, BLOCK_M))](
             part, *epilogue, M, N, splits, *strides, **flags, BLOCK_M=BLOCK_M, BLOCK_N=128, num_warps=4)
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per output tile, kept per device (every serial launch leaves them at zero).
+    Grown outside CUDA-graph capture only: a captured step's warm-up call sizes them first."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_linear(serial=True) first met this size inside CUDA-graph capture: "
+                               "run the call once before capturing it")
+        counters = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return counters
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -73,6 +73,12 @@ def test_interpreted_split_features_match_reference_and_keep_rows_independent(in
     torch.testing.assert_close(full, expected, rtol=1e-4, atol=1e-4)
     alone = run([a[2:3] if isinstance(a, torch.Tensor) and a.shape[0] == 6 else a for a in args])
     assert torch.equal(alone, full[2:3])
+    # the splits added by each tile's last program instead of a second kernel: the same bits, and
+    # the tiles' counters back at zero for the next call
+    serial = call(lambda *x, **kw: interpreted.decode_linear(
+        *x, block_n=16, block_k=32, split_k=split_k, serial=True, **kw), args, opts)
+    assert torch.equal(serial, full)
+    assert not interpreted.module._COUNTERS.get(torch.device("cpu"), torch.zeros(1)).any()
     with pytest.raises(AssertionError, match="multiple of block_k"):
         interpreted.decode_linear(args[0], args[1], block_k=32, split_k=48)
 
@@ -145,6 +151,32 @@ def test_cuda_rows_are_independent_and_match_reference(name, dtype):
     other = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     other[0][1:] = torch.randn_like(other[0][1:])  # other rows' values change, row 0's bits do not
     assert torch.equal(call(kernel.decode_linear, other, opts)[0], full[0])
+
+
+@on_cuda
+@pytest.mark.parametrize("name", ["fc1", "fc2"])
+def test_cuda_serial_split_equals_the_epilogue_kernel_across_calls_and_graph_replays(name):
+    """The splits added by each tile's last program (one launch) give the epilogue kernel's bits,
+    call after call (the tiles' counters back at zero) and in a captured CUDA graph's replays."""
+    from specwhisper.backends.ops import _import_kernels
+
+    kernel = _import_kernels("decode_ops")
+    K, N, opts = LARGE_V3[name]
+    for rows in (1, 5, 40):
+        args = inputs(rows, K, N, torch.float16, seed=rows, device="cuda")
+        lin = lambda serial: call(lambda *a, **kw: kernel.decode_linear(  # noqa: E731
+            *a, split_k=1024, serial=serial, **kw), args, opts)
+        expected = lin(False)
+        for _ in range(3):
+            assert torch.equal(lin(True), expected), rows
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = lin(True)
+        for _ in range(3):
+            captured.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, expected), rows
 
 
 # --- the decoder on the GPU decode ops (Whisper.fuse_decode_ops) ------------------------------------

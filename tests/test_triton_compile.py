@@ -28,7 +28,8 @@ def test_decode_ops_compile(dtype):
         for n, opts in ((3 * d, dict(layer_norm=ln)), (d, dict(residual=torch.randn(3, d, dtype=dtype))),
                         (4 * d, dict(layer_norm=ln, gelu=True)), (51866, {})):
             weight = torch.randn(n, d, dtype=dtype)
-            for tile in ({}, dict(block_k=64, split_k=64)):  # the default tile (one split here) and four splits
+            # the default tile (one split here), four splits added by a second kernel or serially
+            for tile in ({}, dict(block_k=64, split_k=64), dict(block_k=64, split_k=64, serial=True)):
                 k.decode_linear(x, weight, torch.randn(n, dtype=dtype), **tile, **opts)
         cache = torch.zeros(1, heads, 10, dh, dtype=dtype)
         k.decode_linear(x, torch.randn(3 * d, d, dtype=dtype), layer_norm=ln,
