@@ -410,9 +410,10 @@ def test_interpreted_engine_on_decode_ops_speculative_equals_target_only(interpr
     draft = make_checkpoint(tmp_path / "draft", d_model=64, decoder_layers=1, encoder_layers=1, heads=2, init_std=0.1,
                             encoder_from=target)
     mel = torch.randn(2, 80, 3000, generator=torch.Generator().manual_seed(0))
-    # the interpreter pays per program: attention in chunks of 2048 slots (one per cache: any fixed
-    # size keeps the property) and linears over 1024 outputs a program (`block_n` only splits the
-    # work: the head's 51865 outputs took 1621 programs a pass)
+    # the interpreter pays per program and per element: attention in chunks of 2048 slots (one per
+    # cache: any fixed size keeps the property), linears over 1024 outputs a program (`block_n`
+    # only splits the work: the head's 51865 outputs took 1621 programs a pass) and 64 features a
+    # step, in one split (the model's width: the default 256 would compute 4x the padding)
     monkeypatch.setattr(interpreted.module, "CHUNK", 2048)
 
     class Wide:
@@ -420,7 +421,7 @@ def test_interpreted_engine_on_decode_ops_speculative_equals_target_only(interpr
             return getattr(interpreted, name)
 
         def decode_linear(self, *args, **kwargs):
-            return interpreted.decode_linear(*args, **{"block_n": 1024, **kwargs})
+            return interpreted.decode_linear(*args, **{"block_n": 1024, "block_k": 64, "split_k": 0, **kwargs})
 
     def engine(d):
         e = Engine(target, draft=d, device="cpu", background=False, cuda_graphs=True, compact_draft=False)

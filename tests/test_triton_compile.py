@@ -20,20 +20,26 @@ def kernel_names(compiled):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "fp32"])
 def test_decode_ops_compile(dtype):
+    """Every option of the linear (layer norm, GELU, residual, cache writes; one split, splits
+    added by a second kernel or serially) and the attention. float32 (its full-precision products
+    compile slowly: 45 s for all of them) takes one linear of each path."""
     ops = CompiledForGpu("decode_ops")
     d, heads, dh = 256, 4, 64
     x = torch.randn(3, d, dtype=dtype)
     ln = (torch.ones(d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-5)
+    one, split, serial = {}, dict(block_k=64, split_k=64), dict(block_k=64, split_k=64, serial=True)
+    cases = [(3 * d, dict(layer_norm=ln), one), (4 * d, dict(layer_norm=ln, gelu=True), split),
+             (d, dict(residual=torch.randn(3, d, dtype=dtype)), serial)]
+    if dtype != torch.float32:
+        cases += [(3 * d, dict(layer_norm=ln), split), (4 * d, dict(layer_norm=ln, gelu=True), one),
+                  (4 * d, dict(layer_norm=ln, gelu=True), serial), (d, dict(residual=torch.randn(3, d, dtype=dtype)), one),
+                  (51866, {}, one), (51866, {}, serial)]
     with ops.compiling() as k:
-        for n, opts in ((3 * d, dict(layer_norm=ln)), (d, dict(residual=torch.randn(3, d, dtype=dtype))),
-                        (4 * d, dict(layer_norm=ln, gelu=True)), (51866, {})):
-            weight = torch.randn(n, d, dtype=dtype)
-            # the default tile (one split here), four splits added by a second kernel or serially
-            for tile in ({}, dict(block_k=64, split_k=64), dict(block_k=64, split_k=64, serial=True)):
-                k.decode_linear(x, weight, torch.randn(n, dtype=dtype), **tile, **opts)
+        for n, opts, tile in cases:
+            k.decode_linear(x, torch.randn(n, d, dtype=dtype), torch.randn(n, dtype=dtype), **tile, **opts)
         cache = torch.zeros(1, heads, 10, dh, dtype=dtype)
         k.decode_linear(x, torch.randn(3 * d, d, dtype=dtype), layer_norm=ln,
-                        kv_write=(cache, cache.clone(), torch.tensor([[0, 1, 2]])))
+                        kv_write=(cache, cache.clone(), torch.tensor([[0, 1, 2]])), **serial)
         q = torch.randn(1, heads, 3, dh, dtype=dtype)
         k.decode_attention(q, torch.randn(1, heads, 1500, dh, dtype=dtype), torch.randn(1, heads, 1500, dh, dtype=dtype),
                            torch.full((1, 3), 1500), scale=dh**-0.5)
@@ -41,8 +47,9 @@ def test_decode_ops_compile(dtype):
                                           "_attention_chunk_kernel", "_attention_combine_kernel"}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "fp32"])
-def test_sampling_kernels_compile(dtype):
+def test_sampling_kernels_compile():
+    """float16 logits (the engine's on a GPU; the kernels widen every dtype to float32 alike)."""
+    dtype = torch.float16
     ops = CompiledForGpu("spec_sample")
     B, k, V = 2, 3, 51866
     with ops.compiling() as s:
