@@ -214,11 +214,11 @@ def main(argv=None) -> None:
         from specwhisper.backends.ops import _import_kernels
 
         kernel = _import_kernels("decode_ops")
-        own = (*kernel.LINEAR_TILE[:4], kernel.CHUNK, int(kernel.LINEAR_TILE[4]))
+        own = (*kernel.LINEAR_TILE, kernel.CHUNK, int(kernel.SERIAL))
         fused = {}
         # by default the kernels' own configuration and the same with the other split reduction
         for config in args.decode_ops or [own, (*own[:5], 1 - own[5])]:
-            kernel.LINEAR_TILE, kernel.CHUNK = (*config[:4], bool(config[5])), config[4]
+            kernel.LINEAR_TILE, kernel.CHUNK, kernel.SERIAL = config[:4], config[4], bool(config[5])
             for w in args.widths:
                 name = "width {} n{} k{} w{} split {} chunk {} serial {}".format(w, *config)
                 step = StaticStep(target, cache, w)
@@ -237,7 +237,7 @@ def main(argv=None) -> None:
                 print(f"decode ops, {name}: {fused[name].get('graphed_ms', fused[name].get('error'))} ms graphed, "
                       f"same argmax {fused[name].get('same_argmax')}, top "
                       f"{[(t['name'][:40], t['us_per_step']) for t in top]}", flush=True)
-        kernel.LINEAR_TILE, kernel.CHUNK = (*own[:4], bool(own[5])), own[4]
+        kernel.LINEAR_TILE, kernel.CHUNK, kernel.SERIAL = own[:4], own[4], bool(own[5])
         out["fused_ops_step"] = fused
         save()
 

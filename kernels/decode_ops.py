@@ -33,12 +33,14 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per tile (the smallest tensor-core tile); more rows take more tiles
-# decode_linear's default (block_n, block_k, num_warps, split_k, serial), read at each call;
-# block_k and split_k fix the arithmetic. The fastest of those swept on an H200
-# (bench/gpu_profile.py --decode-ops, large-v3 float16, B = 1): a one-token step 2.47 ms,
-# (32, 128, 4, 0) 3.30 ms. serial (not yet timed on a GPU): the splits added by the last program
-# of each tile instead of a second kernel
-LINEAR_TILE = (32, 256, 4, 1024, False)
+# decode_linear's default (block_n, block_k, num_warps, split_k), read at each call; block_k and
+# split_k fix the arithmetic. The fastest of those swept on an H200 (bench/gpu_profile.py
+# --decode-ops, large-v3 float16, B = 1): a one-token step 2.47 ms, (32, 128, 4, 0) 3.30 ms
+LINEAR_TILE = (32, 256, 4, 1024)
+# The linear's splits and the attention's chunks added by the last program of each tile to finish
+# (a counter per tile) instead of a second kernel: the same bits, half the launches. Read at each
+# call; off until timed on a GPU (bench/gpu_profile.py's decode-ops section times both)
+SERIAL = False
 _SQRT_HALF = tl.constexpr(1.0 / math.sqrt(2.0))
 
 
@@ -68,6 +70,17 @@ def _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cach
         value = acc.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + at, value, mask=out_mask & is_k[None, :])
         tl.store(v_cache_ptr + at, value, mask=out_mask & is_v[None, :])
+
+
+@triton.jit
+def _sum_splits(part_ptr, rm, rn, m_in, n_in, M, N, SPLITS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """part[0] + part[1] + ... (float32, in order) of a [rows, cols] tile; read past L1 (.cg): a
+    serial reduction reads what other programs wrote."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for split in range(0, SPLITS):
+        at = (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        acc += tl.load(part_ptr + at, mask=m_in[:, None] & n_in[None, :], other=0.0, cache_modifier=".cg")
+    return acc
 
 
 @triton.jit
@@ -129,11 +142,7 @@ def _decode_linear_kernel(
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.debug_barrier()  # every thread's partial stored before the counter moves
             if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                summed = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, splits):  # the epilogue kernel's order: the same bits
-                    at = (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-                    summed += tl.load(part_ptr + at, mask=m_in[:, None] & n_in[None, :], other=0.0,
-                                     cache_modifier=".cg")
+                summed = _sum_splits(part_ptr, rm, rn, m_in, n_in, M, N, splits, BLOCK_M, BLOCK_N)
                 tl.store(count_ptr + tile, 0)
                 _linear_epilogue(summed, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
                                  pos_ptr, stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
@@ -155,10 +164,7 @@ def _decode_linear_epilogue_kernel(
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_in, n_in = rm < M, rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for split in range(0, SPLITS):
-        at = (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-        acc += tl.load(part_ptr + at, mask=m_in[:, None] & n_in[None, :], other=0.0)
+    acc = _sum_splits(part_ptr, rm, rn, m_in, n_in, M, N, SPLITS, BLOCK_M, BLOCK_N)
     _linear_epilogue(acc, rm, rn, m_in, n_in, bias_ptr, res_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                      stride_rm, stride_om, T, D, stride_cb, stride_ch, stride_cs, stride_pb,
                      HAS_BIAS, GELU, RESIDUAL, KV_WRITE, DH)
@@ -189,7 +195,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_k = block_k or LINEAR_TILE[1]
     num_warps = num_warps or LINEAR_TILE[2]
     split_k = LINEAR_TILE[3] if split_k is None else split_k
-    serial = LINEAR_TILE[4] if serial is None else serial
+    serial = SERIAL if serial is None else serial
     assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32), (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "the feature dim must be contiguous"
@@ -251,7 +257,7 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_linear(serial=True) first met this size inside CUDA-graph capture: "
+            raise RuntimeError("the decode ops' serial reduction first met this size inside CUDA-graph capture: "
                                "run the call once before capturing it")
         counters = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return counters
@@ -289,16 +295,17 @@ QUERIES = 16  # query rows per tile (the smallest tensor-core tile; padding rows
 
 @triton.jit
 def _attention_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, n_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, n_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr,
     H, T, C, scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    stride_nb,
-    DH: tl.constexpr, QUERIES: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+    stride_nb, stride_ob, stride_ot,
+    DH: tl.constexpr, QUERIES: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, SERIAL: tl.constexpr,
 ):
     """One chunk of slots for up to QUERIES queries of one (row, head): the chunk's max score m,
-    sum of exp(score - m) l and the weighted values acc, float32, into [.., C] scratch."""
+    sum of exp(score - m) l and the weighted values acc, float32, into [.., C] scratch; SERIAL:
+    the last of the tile's chunk programs to finish combines them (else the combine kernel)."""
     bh, qt, c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
     rt = qt * QUERIES + tl.arange(0, QUERIES)
@@ -331,6 +338,12 @@ def _attention_chunk_kernel(
     tl.store(m_ptr + row, m, mask=t_in)
     tl.store(l_ptr + row, l, mask=t_in)
     tl.store(acc_ptr + row[:, None] * DH + rd[None, :], acc, mask=t_in[:, None])
+    if SERIAL:
+        tile = bh * tl.num_programs(1) + qt
+        tl.debug_barrier()  # every thread's scratch stored before the counter moves
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == C - 1:
+            _combine_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, bh, qt, H, T, C, stride_ob, stride_ot, DH, QUERIES)
+            tl.store(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -339,8 +352,15 @@ def _attention_combine_kernel(
     H, T, C, stride_ob, stride_ot,
     DH: tl.constexpr, QUERIES: tl.constexpr,
 ):
-    """The chunks of each query combined in order: out[b, t, h * DH:(h + 1) * DH] in out's dtype."""
-    bh, qt = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    _combine_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+                    H, T, C, stride_ob, stride_ot, DH, QUERIES)
+
+
+@triton.jit
+def _combine_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, bh, qt, H, T, C, stride_ob, stride_ot,
+                    DH: tl.constexpr, QUERIES: tl.constexpr):
+    """The chunks of each query combined in order: out[b, t, h * DH:(h + 1) * DH] in out's dtype
+    (scratch read past L1, .cg: a serial combine reads what other programs wrote)."""
     b, h = bh // H, bh % H
     rt = qt * QUERIES + tl.arange(0, QUERIES)
     rd = tl.arange(0, DH)
@@ -348,21 +368,22 @@ def _attention_combine_kernel(
     base = (bh * T + rt) * C
     top = tl.full([QUERIES], -float("inf"), tl.float32)
     for c in range(0, C):
-        top = tl.maximum(top, tl.load(m_ptr + base + c, mask=t_in, other=-float("inf")))
+        top = tl.maximum(top, tl.load(m_ptr + base + c, mask=t_in, other=-float("inf"), cache_modifier=".cg"))
     top = tl.where(top == -float("inf"), 0.0, top)
     total = tl.zeros([QUERIES], dtype=tl.float32)
     acc = tl.zeros([QUERIES, DH], dtype=tl.float32)
     for c in range(0, C):
-        scale = tl.exp(tl.load(m_ptr + base + c, mask=t_in, other=-float("inf")) - top)
-        total += tl.load(l_ptr + base + c, mask=t_in, other=0.0) * scale
-        acc += tl.load(acc_ptr + (base + c)[:, None] * DH + rd[None, :], mask=t_in[:, None], other=0.0) * scale[:, None]
+        scale = tl.exp(tl.load(m_ptr + base + c, mask=t_in, other=-float("inf"), cache_modifier=".cg") - top)
+        total += tl.load(l_ptr + base + c, mask=t_in, other=0.0, cache_modifier=".cg") * scale
+        acc += tl.load(acc_ptr + (base + c)[:, None] * DH + rd[None, :], mask=t_in[:, None], other=0.0,
+                       cache_modifier=".cg") * scale[:, None]
     out = acc / tl.where(t_in, total, 1.0)[:, None]  # (padding queries: never stored)
     tl.store(out_ptr + b * stride_ob + rt[:, None] * stride_ot + h * DH + rd[None, :],
              out.to(out_ptr.dtype.element_ty), mask=t_in[:, None])
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor,
-                     scale: float = 1.0) -> torch.Tensor:
+                     scale: float = 1.0, serial: bool | None = None) -> torch.Tensor:
     """q [B, H, T, Dh], k / v [B, H, S, Dh] (a cache; Dh contiguous), n [B, T] int (each query
     reads slots 0..n-1, 1 <= n <= S), `scale` applied to the float32 scores (Whisper's Dh**-0.5 is
     a power of two for its 64-wide heads: the same bits as scaling q first) -> [B, T, H * Dh] in
@@ -382,13 +403,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch
     m = torch.empty((B * H * T * C,), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B * H * T * C, Dh), dtype=torch.float32, device=q.device)
+    serial = SERIAL if serial is None else serial
+    count = _tile_counters(q.device, B * H * QT) if serial else out
     _attention_chunk_kernel[(B * H, QT, C)](
-        q, k, v, n, m, l, acc, H, T, C, float(scale),
+        q, k, v, n, m, l, acc, out, count, H, T, C, float(scale),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), n.stride(0),
-        DH=Dh, QUERIES=QUERIES, CHUNK=CHUNK, IEEE=q.dtype == torch.float32, num_warps=4)
-    _attention_combine_kernel[(B * H, QT)](
-        m, l, acc, out, H, T, C, out.stride(0), out.stride(1), DH=Dh, QUERIES=QUERIES, num_warps=4)
+        v.stride(0), v.stride(1), v.stride(2), n.stride(0), out.stride(0), out.stride(1),
+        DH=Dh, QUERIES=QUERIES, CHUNK=CHUNK, IEEE=q.dtype == torch.float32, SERIAL=serial, num_warps=4)
+    if not serial:
+        _attention_combine_kernel[(B * H, QT)](
+            m, l, acc, out, H, T, C, out.stride(0), out.stride(1), DH=Dh, QUERIES=QUERIES, num_warps=4)
     return out
 
 

@@ -155,9 +155,10 @@ def test_cuda_rows_are_independent_and_match_reference(name, dtype):
 
 @on_cuda
 @pytest.mark.parametrize("name", ["fc1", "fc2"])
-def test_cuda_serial_split_equals_the_epilogue_kernel_across_calls_and_graph_replays(name):
+def test_cuda_serial_reductions_equal_the_second_kernels_across_calls_and_graph_replays(name):
     """The splits added by each tile's last program (one launch) give the epilogue kernel's bits,
-    call after call (the tiles' counters back at zero) and in a captured CUDA graph's replays."""
+    call after call (the tiles' counters back at zero) and in a captured CUDA graph's replays; the
+    attention's chunks combined serially give the combine kernel's."""
     from specwhisper.backends.ops import _import_kernels
 
     kernel = _import_kernels("decode_ops")
@@ -177,6 +178,11 @@ def test_cuda_serial_split_equals_the_epilogue_kernel_across_calls_and_graph_rep
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(captured, expected), rows
+    # the attention's chunks combined serially: the combine kernel's bits (1500 audio frames, 9 queries)
+    q, k, v, n = attention_inputs(4, 20, 9, 1500, 64, torch.float16, seed=1, device="cuda", full=True)
+    expected = kernel.decode_attention(q, k, v, n, serial=False)
+    for _ in range(3):
+        assert torch.equal(kernel.decode_attention(q, k, v, n, serial=True), expected)
 
 
 # --- the decoder on the GPU decode ops (Whisper.fuse_decode_ops) ------------------------------------
@@ -305,6 +311,18 @@ def test_interpreted_attention_matches_reference(interpreted, monkeypatch, B, H,
     assert got.shape == (B, T, H * Dh) and got.dtype == q.dtype
     tol = TOLERANCE[DTYPES[dtype]]
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@needs_triton
+def test_interpreted_attention_serial_combine_gives_the_combine_kernels_bits(interpreted, monkeypatch):
+    """The chunks combined by each (row, head, queries) tile's last chunk program instead of the
+    combine kernel: the same bits, call after call (the tiles' counters back at zero)."""
+    monkeypatch.setattr(interpreted.module, "CHUNK", 32)
+    q, k, v, n = attention_inputs(2, 3, 17, 130, 32, torch.float32, seed=9)
+    expected = interpreted.decode_attention(q, k, v, n, serial=False)
+    for _ in range(2):
+        assert torch.equal(interpreted.decode_attention(q, k, v, n, serial=True), expected)
+    assert not interpreted.module._COUNTERS[torch.device("cpu")].any()
 
 
 @needs_triton

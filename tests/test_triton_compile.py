@@ -41,8 +41,9 @@ def test_decode_ops_compile(dtype):
         k.decode_linear(x, torch.randn(3 * d, d, dtype=dtype), layer_norm=ln,
                         kv_write=(cache, cache.clone(), torch.tensor([[0, 1, 2]])), **serial)
         q = torch.randn(1, heads, 3, dh, dtype=dtype)
-        k.decode_attention(q, torch.randn(1, heads, 1500, dh, dtype=dtype), torch.randn(1, heads, 1500, dh, dtype=dtype),
-                           torch.full((1, 3), 1500), scale=dh**-0.5)
+        for serial in (False, True):
+            k.decode_attention(q, torch.randn(1, heads, 1500, dh, dtype=dtype), torch.randn(1, heads, 1500, dh, dtype=dtype),
+                               torch.full((1, 3), 1500), scale=dh**-0.5, serial=serial)
     assert kernel_names(ops.compiled) == {"_decode_linear_kernel", "_decode_linear_epilogue_kernel",
                                           "_attention_chunk_kernel", "_attention_combine_kernel"}
 
