@@ -10,9 +10,9 @@ bias, an optional GELU and an optional residual add after it,
 Rows are independent bit for bit: every output element is computed by the same operations in the
 same order whatever the number of rows or their values (a fixed tile of BLOCK_M rows, the features
 in fixed splits each walked BLOCK_K at a time and the splits added in order, each row's layer-norm
-statistics from that row alone; no autotuning, which would pick tiles by timing). So a verify pass of k + 1 tokens and a one-token
-step give each token the same bits, in float16 too: what exact speculative decoding in half
-precision needs (torch's GEMMs pick kernels by shape).
+statistics from that row alone; no autotuning, which would pick tiles by timing). So a verify pass
+of k + 1 tokens and a one-token step give each token the same bits, in float16 too: what exact
+speculative decoding in half precision needs (torch's GEMMs pick kernels by shape).
 
 `decode_attention`: attention of a few queries per row to the first n[b, t] slots of a cache
 (self-attention: the slots up to the query's position; cross-attention: every audio frame), the

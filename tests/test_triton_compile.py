@@ -31,8 +31,9 @@ def test_decode_ops_compile(dtype):
     cases = [(3 * d, dict(layer_norm=ln), one), (4 * d, dict(layer_norm=ln, gelu=True), split),
              (d, dict(residual=torch.randn(3, d, dtype=dtype)), serial)]
     if dtype != torch.float32:
+        residual = dict(residual=torch.randn(3, d, dtype=dtype))
         cases += [(3 * d, dict(layer_norm=ln), split), (4 * d, dict(layer_norm=ln, gelu=True), one),
-                  (4 * d, dict(layer_norm=ln, gelu=True), serial), (d, dict(residual=torch.randn(3, d, dtype=dtype)), one),
+                  (4 * d, dict(layer_norm=ln, gelu=True), serial), (d, residual, one),
                   (51866, {}, one), (51866, {}, serial)]
     with ops.compiling() as k:
         for n, opts, tile in cases:
@@ -41,9 +42,9 @@ def test_decode_ops_compile(dtype):
         k.decode_linear(x, torch.randn(3 * d, d, dtype=dtype), layer_norm=ln,
                         kv_write=(cache, cache.clone(), torch.tensor([[0, 1, 2]])), **serial)
         q = torch.randn(1, heads, 3, dh, dtype=dtype)
+        keys, values = (torch.randn(1, heads, 1500, dh, dtype=dtype) for _ in range(2))
         for serial in (False, True):
-            k.decode_attention(q, torch.randn(1, heads, 1500, dh, dtype=dtype), torch.randn(1, heads, 1500, dh, dtype=dtype),
-                               torch.full((1, 3), 1500), scale=dh**-0.5, serial=serial)
+            k.decode_attention(q, keys, values, torch.full((1, 3), 1500), scale=dh**-0.5, serial=serial)
     assert kernel_names(ops.compiled) == {"_decode_linear_kernel", "_decode_linear_epilogue_kernel",
                                           "_attention_chunk_kernel", "_attention_combine_kernel"}
 
