@@ -215,6 +215,8 @@ class Bench:
                 eager = self.clock(steps[w])
                 graphed = self.clock(lambda: graphs.run(("target", batch, w), steps[w]))
                 row[w] = dict(eager_ms=eager * 1e3, graphed_ms=graphed * 1e3)
+            for w, ms in self.decode_ops_times(target, lambda w: steps[w], widths).items():
+                row[w]["decode_ops_graphed_ms"] = ms
             floor_bytes = out["decoder_weight_bytes"] + batch * out["cross_kv_bytes_per_row"]
             floor = dict(bytes=floor_bytes, ms=floor_bytes / (bw * 1e9) * 1e3 if bw else None)
             out["rows"][batch] = dict(width=row, floor=floor)
@@ -235,6 +237,27 @@ class Bench:
                 graphed = self.clock(lambda: graphs.run((name, batch), step))
                 out[name][batch] = dict(eager_ms=eager * 1e3, graphed_ms=graphed * 1e3,
                                         graphs_captured=graphs.capturing)
+                ops = self.decode_ops_times(draft, lambda w: step, [1])
+                if ops:
+                    out[name][batch]["decode_ops_graphed_ms"] = ops[1]
+        return out
+
+    def decode_ops_times(self, model, step_of, widths) -> dict:
+        """{width: graphed ms} of `step_of(width)` with `model`'s decoder on the GPU decode ops
+        (`Whisper.fuse_decode_ops`: Engine(decode_ops=True)), then back on torch's ops; {} off a
+        GPU (the interpreter would time Python) or if the ops fail (their error is kept)."""
+        if self.device.type != "cuda":
+            return {}
+        out = {}
+        try:
+            model.model.fuse_decode_ops()
+            graphs = StepGraphs(True, self.device)
+            for w in widths:
+                out[w] = self.clock(lambda: graphs.run(("decode ops", w), step_of(w))) * 1e3
+        except Exception as exc:  # recorded beside the torch timings, which stand
+            self.results.setdefault("decode_ops_errors", []).append(f"{type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            model.model.decoder.fused_ops = None
         return out
 
     def accept(self) -> dict:
@@ -460,23 +483,28 @@ class Bench:
         return statistics.median(spans), result if isinstance(result, list) else [result]
 
     def modeled(self) -> dict:
+        """Speedup tables over graphed target-only: on torch's ops, and (where timed) with every
+        step on the decode ops, against the faster of the two target-only steps."""
         steps, drafts, accept = self.results["steps"], self.results["drafts"], self.results["accept"]
         out = {}
         for batch in self.args.batch:
             width = steps["rows"][batch]["width"]
-            t_target = width[1]["graphed_ms"]
-            for name, rows in drafts.items():
-                t_draft = rows[batch]["graphed_ms"]
-                table = {}
-                for alpha in ALPHAS:
-                    for k in self.ks:
-                        timed = accept["rows"][batch][k]
-                        t_accept = (timed.get("race_graphed_us") or timed["sample_graphed_us"]) / 1e3
-                        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-                        cost = k * t_draft + width[k + 1]["graphed_ms"] + t_accept
-                        table[f"{alpha}:{k}"] = dict(alpha=alpha, k=k, tokens_per_pass=tokens,
-                                                     ms_per_pass=cost, speedup=tokens * t_target / cost)
-                out[f"{name} B={batch}"] = dict(t_target_ms=t_target, t_draft_ms=t_draft, table=table)
+            for ops, key in (("", "graphed_ms"), (" decode ops", "decode_ops_graphed_ms")):
+                if any(key not in width[w] for w in width) or any(key not in rows[batch] for rows in drafts.values()):
+                    continue
+                t_target = min(width[1]["graphed_ms"], width[1][key])
+                for name, rows in drafts.items():
+                    t_draft = rows[batch][key]
+                    table = {}
+                    for alpha in ALPHAS:
+                        for k in self.ks:
+                            timed = accept["rows"][batch][k]
+                            t_accept = (timed.get("race_graphed_us") or timed["sample_graphed_us"]) / 1e3
+                            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+                            cost = k * t_draft + width[k + 1][key] + t_accept
+                            table[f"{alpha}:{k}"] = dict(alpha=alpha, k=k, tokens_per_pass=tokens,
+                                                         ms_per_pass=cost, speedup=tokens * t_target / cost)
+                    out[f"{name} B={batch}{ops}"] = dict(t_target_ms=t_target, t_draft_ms=t_draft, table=table)
         return out
 
     def run(self) -> dict:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,37 @@ def test_gpu_suite_selects_every_file_with_cuda_tests():
     marked = {line.split("::")[0].split("/")[-1] for line in run.stdout.splitlines() if "::" in line}
     assert marked, run.stdout + run.stderr
     assert selected == marked, (selected, marked)
+
+
+def test_modeled_and_report_use_the_decode_ops_times_where_timed():
+    """bench/gpu.py's modeled speedups and gpu_report's goals take the decode-ops timings a GPU
+    run records beside torch's (a results dict as such a run writes it; nothing here runs a GPU)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu
+        import gpu_report
+    finally:
+        sys.path.pop(0)
+
+    widths = {w: dict(eager_ms=20.0, graphed_ms=3.0 + 0.2 * w, decode_ops_graphed_ms=2.4 + 0.05 * w) for w in (1, 2, 3)}
+    results = dict(steps=dict(decoder_weight_bytes=1.8e9, cross_kv_bytes_per_row=2.5e8, self_kv_bytes_per_row_read=7e7,
+                              rows={1: dict(width=widths, floor=dict(bytes=2e9, ms=0.5))}),
+                   drafts=dict(tiny={1: dict(eager_ms=3.0, graphed_ms=0.33, decode_ops_graphed_ms=0.15)}),
+                   accept=dict(op="race", rows={1: {k: dict(race_graphed_us=14.0, sample_graphed_us=180.0,
+                                                            sample_eager_us=1.0, greedy_eager_us=1.0,
+                                                            greedy_graphed_us=1.0) for k in (1, 2)}}),
+                   env={}, args=dict(dtype="float16"), errors={}, skipped={})
+    bench = types.SimpleNamespace(results=results, args=types.SimpleNamespace(batch=[1]), ks=(1, 2))
+    modeled = gpu.Bench.modeled(bench)
+    torch_ops, ops = modeled["tiny B=1"], modeled["tiny B=1 decode ops"]
+    # the faster target-only step: torch's 3.2 ms there, the decode ops' 2.45 ms here
+    step, ops_step = widths[1]["graphed_ms"], widths[1]["decode_ops_graphed_ms"]
+    assert torch_ops["t_target_ms"] == step and ops["t_target_ms"] == ops_step
+    expected = (1 + 0.8 + 0.8**2) * ops_step / (2 * 0.15 + widths[3]["decode_ops_graphed_ms"] + 0.014)
+    assert abs(ops["table"]["0.8:2"]["speedup"] - expected) < 1e-9
+    results["modeled"] = modeled
+    goals = {row[0].split(" (")[0].split(",")[0]: row[1] for row in gpu_report.goals(results)}
+    assert goals["target step B=1"] == gpu_report.fmt(ops_step / 0.5)
+    assert goals["tiny draft step B=1"] == gpu_report.fmt(0.15)
+    text = gpu_report.markdown(results)
+    assert "decode ops graphed" in text and "**tiny B=1 decode ops**" in text
