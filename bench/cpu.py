@@ -168,13 +168,12 @@ def bandwidth() -> dict:
 
 
 def bytes_per_token(engine: Engine) -> dict:
-    """Bytes one decode step must read: decoder blocks, output head (screened int8 or own dtype),
-    cross-attention K/V (the self-attention cache at POSITION is small but counted)."""
+    """Bytes one decode step must read: decoder blocks (the tensors the C++ step reads: float16
+    copies of a float16 checkpoint's projections, `Whisper.half_projections`), output head
+    (screened int8 or own dtype), cross-attention K/V (the self-attention cache at POSITION is
+    small but counted)."""
     dec, cfg = engine.target.model.decoder, engine.target.config
-    unread = {id(p) for layer in dec.layers for p in (layer.encoder_attn.k_proj.weight,
-                                                       layer.encoder_attn.v_proj.weight,
-                                                       layer.encoder_attn.v_proj.bias)}  # cross K/V: once a window
-    blocks = sum(p.numel() * p.element_size() for p in dec.layers.parameters() if id(p) not in unread)
+    blocks = sum(p.numel() * p.element_size() for p in dec.layer_params())  # cross K/V projections: once a window
     blocks += sum(p.numel() * p.element_size() for p in dec.layer_norm.parameters())
     w = dec.embed_tokens.weight
     head = w.numel() * (1 if engine.target.head is not None else w.element_size())  # screened: int8

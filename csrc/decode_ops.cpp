@@ -10,16 +10,17 @@
 // computed by the same sequence of floating-point operations whatever the number of rows, the
 // batch composition, the tiling or the thread count: an 8-lane FMA accumulation over K in
 // order, a fixed horizontal sum, a scalar FMA tail, then the bias. A row's result therefore
-// never depends on the other rows. Arithmetic is float32 (bfloat16 inputs are widened exactly;
-// bfloat16 outputs are rounded to nearest even once, at the end).
+// never depends on the other rows. Arithmetic is float32 (bfloat16 and float16 weights are widened
+// exactly; bfloat16 outputs are rounded to nearest even once, at the end).
 //
-// Vector code needs AVX2 + FMA (checked at run time; a scalar path with the same operation order
+// Vector code needs AVX2 + FMA + F16C (checked at run time; a scalar path with the same operation order
 // serves other CPUs, so results are identical either way). The int8 screen of the output head
 // multiplies in exact integers (the same products at every vector level), and its exact recheck
 // keeps linear_rows' order, so the argmax is the same.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -46,6 +47,7 @@ namespace specwhisper_decode {
 namespace {
 
 using bf16 = c10::BFloat16;
+using f16 = c10::Half;
 
 // ------------------------------------------------------------------ thread pool
 // Sections started from any thread but the main one run on the ops' own persistent workers, not on
@@ -198,10 +200,11 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 constexpr int64_t kNR = 4;  // weight rows per tile (independent FMA chains)
 constexpr int64_t kMR = 3;  // input rows per tile (accumulators: kNR * kMR <= 12 ymm registers)
 
-// Vector level: 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (F, DQ, BW). The detected
+// Vector level: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 (F, DQ, BW). The detected
 // level can be lowered (`set_vector_level`) so tests compare every path on one machine.
 int detected_level() {
-  static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 0
+  static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c")) ? 0
                            : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                               __builtin_cpu_supports("avx512bw")) ? 2 : 1;
   return level;
@@ -215,6 +218,7 @@ bool has_avx2() { return vector_level() >= 1; }
 // the same pairwise horizontal sum, then the tail.
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
+inline float widen(f16 v) { return static_cast<float>(v); }
 
 // hsum8's additions (below): (l0+l4, l1+l5, l2+l6, l3+l7) -> (a0+a2, a1+a3) -> b0+b1
 inline float hsum8_scalar(const float* lane) {
@@ -234,13 +238,16 @@ float dot_scalar(const float* x, const W* w, int64_t K) {
 }
 
 // ------------------------------------------------------------------ AVX2 path
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const bf16* p) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) inline float hsum8(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   __m128 a = _mm_add_ps(lo, hi);                  // (l0+l4, l1+l5, l2+l6, l3+l7)
   __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));  // (a0+a2, a1+a3, ...)
@@ -254,7 +261,7 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
 // about 7 per sum. A dot product of 64 features (attention's scores) spends 8 fmas per sum, so the
 // one-at-a-time sums were nearly as much work as the products. -> [hsum8(a[0]), ..., hsum8(a[N-1])].
 template <int N>
-__attribute__((target("avx2,fma"))) inline void hsum8_many(const __m256* a, float* out) {
+__attribute__((target("avx2,fma,f16c"))) inline void hsum8_many(const __m256* a, float* out) {
   static_assert(N == 4 || N == 8, "hsum8_many: 4 or 8 registers");
   __m256 s[4];
   for (int p = 0; p < N / 2; ++p)  // [a0..a3 of a[2p] | a0..a3 of a[2p+1]]
@@ -272,7 +279,7 @@ __attribute__((target("avx2,fma"))) inline void hsum8_many(const __m256* a, floa
 }
 
 template <typename W>
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const W* w, int64_t K) {
+__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* x, const W* w, int64_t K) {
   __m256 acc = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), acc);
@@ -295,8 +302,8 @@ constexpr _mm_hint kStreamHint = _MM_HINT_T1;
 // at w + j * ws: one pass over the weight tile per group of input rows. PF: also prefetch the next
 // tile (at w + next), one cache line per 16 floats, so memory streams while several rows compute.
 template <typename W, int MR, int NR, bool PF = false>
-__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, const W* w, int64_t K, int64_t ws,
-                                                   int64_t next, float* out, int64_t ldo, int64_t os) {
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t ldx, const W* w, int64_t K, int64_t ws,
+                                                        int64_t next, float* out, int64_t ldo, int64_t os) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -374,20 +381,25 @@ void rows_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t ws, int
 // j+1) against the input's 8 features broadcast to both halves, so every lane runs exactly the
 // AVX2 lane's chain of fmas and each half is summed by hsum8: the same bits, half the fma
 // instructions (several input rows: a verify pass).
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 pair8(const float* a, const float* b) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 pair8(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 pair8(const bf16* a, const bf16* b) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 pair8(const bf16* a, const bf16* b) {
   const __m256i h = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 pair8(const f16* a, const f16* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
 
 template <typename W, int MR, bool PF>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void tile512(const float* x, int64_t ldx, const W* w, int64_t K,
-                                                                 int64_t ws, int64_t next, float* out, int64_t ldo,
-                                                                 int64_t os) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const float* x, int64_t ldx, const W* w, int64_t K,
+                                                                      int64_t ws, int64_t next, float* out, int64_t ldo,
+                                                                      int64_t os) {
   static_assert(kNR == 4, "tile512 pairs 4 weight rows");
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -420,9 +432,9 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void tile512(const float* x
 
 // MR = rows (1..6) input rows against one weight tile with tile512.
 template <typename W, bool PF>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void group512(int64_t rows, const float* x, int64_t K,
-                                                                  const W* w, int64_t ws, int64_t next, float* out,
-                                                                  int64_t ldo, int64_t os) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void group512(int64_t rows, const float* x, int64_t K,
+                                                                       const W* w, int64_t ws, int64_t next, float* out,
+                                                                       int64_t ldo, int64_t os) {
   switch (rows) {
     case 1: tile512<W, 1, PF>(x, K, w, K, ws, next, out, ldo, os); break;
     case 2: tile512<W, 2, PF>(x, K, w, K, ws, next, out, ldo, os); break;
@@ -436,9 +448,9 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void group512(int64_t rows,
 // All rows of x against one weight tile with tile512, up to 6 rows at a time; the first group
 // prefetches the next tile (unless `more` is false).
 template <typename W>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void rows_tile512(const float* x, int64_t M, int64_t K, const W* w,
-                                                                      int64_t ws, int64_t next, float* out, int64_t ldo,
-                                                                      int64_t os, bool more) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void rows_tile512(const float* x, int64_t M, int64_t K, const W* w,
+                                                                           int64_t ws, int64_t next, float* out, int64_t ldo,
+                                                                           int64_t os, bool more) {
   for (int64_t m = 0; m < M; m += 6) {
     const int64_t rows = std::min<int64_t>(6, M - m);
     if (more && m == 0)
@@ -471,8 +483,11 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
   // tiles for K < 128 (the linears, K = 512 and 2048, unchanged)
   const bool pairs = vec && M >= 2 && vector_level() >= 2 && K >= 128;
   // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
-  // so the same bits) instead of once per group of kMR rows
-  const bool widen_tile = vec && !pairs && !std::is_same<W, float>::value && M > kMR;
+  // so the same bits) instead of once per group of kMR rows. float16 weights are widened as they
+  // are read (one instruction, F16C): widened first, without the next tile's prefetch, base's 4-
+  // and 5-row verify passes ran 1.2x slower than on float32 weights (2 threads, Zen 3 EPYC, cold,
+  // alternated in one process), widened as read 0.77-0.89x at 1..9 rows
+  const bool widen_tile = vec && !pairs && std::is_same<W, bf16>::value && M > kMR;
   std::vector<float> wide(widen_tile ? kNR * K : 0);
   for (int64_t t = 0; t < Q; ++t) {
     const W* wt = w + (n0 + t) * K;
@@ -515,8 +530,9 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
                        c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_rows: CPU tensors only");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be a contiguous [N, K] matrix");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
-              "linear_rows: weight must be float32 or bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
+                  weight.scalar_type() == at::kHalf,
+              "linear_rows: weight must be float32, bfloat16 or float16");
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(x.size(-1) == K, "linear_rows: x has ", x.size(-1), " features, weight expects ", K);
   at::Tensor xf = as_float_rows(x);
@@ -525,6 +541,9 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   if (M > 0) {
     if (weight.scalar_type() == at::kFloat)
       matmul_rows(xf.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, acc.data_ptr<float>());
+    else if (weight.scalar_type() == at::kHalf)  // a float16 checkpoint's weights: widened exactly
+      matmul_rows(xf.data_ptr<float>(), M, K, reinterpret_cast<const f16*>(weight.data_ptr()), N,
+                  acc.data_ptr<float>());
     else
       matmul_rows(xf.data_ptr<float>(), M, K, reinterpret_cast<const bf16*>(weight.data_ptr()), N,
                   acc.data_ptr<float>());
@@ -584,13 +603,13 @@ bool wide_single_row = true;
 
 // out[m, j] for rows m of x (MR of them, row stride K) and rows j0..j0+NJ-1 of one int8 block. MR * NJ accumulators stay in
 // registers (16 ymm in AVX2). PF: prefetch the next int8 block.
-__attribute__((target("avx2,fma"))) inline __m256 load_block8(const int8_t* p) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_block8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 template <int MR, int NJ, typename Q, bool PF = false>
-__attribute__((target("avx2,fma"))) void q8_block(const float* x, int64_t K, const Q* blk, int j0, float* out,
-                                                  int64_t ldo, const int8_t* next = nullptr) {
+__attribute__((target("avx2,fma,f16c"))) void q8_block(const float* x, int64_t K, const Q* blk, int j0, float* out,
+                                                       int64_t ldo, const int8_t* next = nullptr) {
   __m256 acc[MR][NJ];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -610,8 +629,8 @@ __attribute__((target("avx2,fma"))) void q8_block(const float* x, int64_t K, con
 
 // Every row of x against one int8 block, in groups of up to 3 rows; the first group prefetches
 // the next block.
-__attribute__((target("avx2,fma"))) void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* blk,
-                                                 const int8_t* next, float* out, int64_t ldo) {
+__attribute__((target("avx2,fma,f16c"))) void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* blk,
+                                                      const int8_t* next, float* out, int64_t ldo) {
   int64_t m = 0;
   if (M == 1) {
     q8_block<1, 8, int8_t, true>(x, K, blk, 0, out, ldo, next);
@@ -636,9 +655,9 @@ __attribute__((target("avx2,fma"))) void q8_rows(const float* x, int64_t M, int6
 // broadcast to both halves, so each int8 load and widening serves 16 products, each half summed
 // by hsum8 like the AVX2 lanes. MR input rows at a time (4 row pairs x MR accumulators).
 template <int MR, bool PF = false>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_block512(const float* x, int64_t K, const int8_t* blk,
-                                                                     float* out, int64_t ldo,
-                                                                     const int8_t* next = nullptr) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void q8_block512(const float* x, int64_t K, const int8_t* blk,
+                                                                          float* out, int64_t ldo,
+                                                                          const int8_t* next = nullptr) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -662,9 +681,9 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_block512(const floa
 
 // rows (1..4) input rows against one int8 block with q8_block512.
 template <bool PF>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_group512(int64_t rows, const float* x, int64_t K,
-                                                                     const int8_t* blk, float* out, int64_t ldo,
-                                                                     const int8_t* next) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void q8_group512(int64_t rows, const float* x, int64_t K,
+                                                                          const int8_t* blk, float* out, int64_t ldo,
+                                                                          const int8_t* next) {
   switch (rows) {
     case 1: q8_block512<1, PF>(x, K, blk, out, ldo, next); break;
     case 2: q8_block512<2, PF>(x, K, blk, out, ldo, next); break;
@@ -675,9 +694,9 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_group512(int64_t ro
 
 // Every row of x against one int8 block, up to 4 rows at a time; the first group prefetches
 // the next block.
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void q8_rows512(const float* x, int64_t M, int64_t K,
-                                                                    const int8_t* blk, const int8_t* next,
-                                                                    float* out, int64_t ldo) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void q8_rows512(const float* x, int64_t M, int64_t K,
+                                                                         const int8_t* blk, const int8_t* next,
+                                                                         float* out, int64_t ldo) {
   for (int64_t m = 0; m < M; m += 4) {
     const int64_t rows = std::min<int64_t>(4, M - m);
     if (m == 0)
@@ -731,8 +750,8 @@ void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh
 // a 16-byte load holds rows 2j and 2j+1 (8 features each), widened to 16 bits and multiplied by the
 // row's 8 features in both halves; lanes 0-3 sum row 2j, lanes 4-7 row 2j+1. PF: prefetch the next block.
 template <int MR, bool PF>
-__attribute__((target("avx2,fma"))) void q16_block(const int16_t* x, int64_t K, const int8_t* blk, float* out,
-                                                   int64_t ldo, const int8_t* next) {
+__attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_t K, const int8_t* blk, float* out,
+                                                        int64_t ldo, const int8_t* next) {
   __m256i acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
@@ -762,8 +781,8 @@ __attribute__((target("avx2,fma"))) void q16_block(const int16_t* x, int64_t K, 
 // base's head held to AVX2). GCC spills accumulators from MR = 5 on (5 rows in one group cost 1.4x
 // 4 rows), so q16_rows makes groups of at most 4.
 template <int MR, bool PF>
-__attribute__((target("avx2,fma"))) void q16_half(const int16_t* x, int64_t K, const int8_t* blk, int h, float* out,
-                                                  int64_t ldo, const int8_t* next) {
+__attribute__((target("avx2,fma,f16c"))) void q16_half(const int16_t* x, int64_t K, const int8_t* blk, int h, float* out,
+                                                       int64_t ldo, const int8_t* next) {
   __m256i acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
   for (int64_t k = 0; k < K; k += 8) {
@@ -788,8 +807,8 @@ __attribute__((target("avx2,fma"))) void q16_half(const int16_t* x, int64_t K, c
 
 // MR = rows (1..4) input rows against both halves of one int8 block; PF: prefetch the next block.
 template <bool PF>
-__attribute__((target("avx2,fma"))) void q16_halves(int64_t rows, const int16_t* x, int64_t K, const int8_t* blk,
-                                                    float* out, int64_t ldo, const int8_t* next) {
+__attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int16_t* x, int64_t K, const int8_t* blk,
+                                                         float* out, int64_t ldo, const int8_t* next) {
   for (int h = 0; h < 2; ++h) {
     const bool pf = PF && h == 0;
 #define Q16_HALF(MR) (pf ? q16_half<MR, true>(x, K, blk, h, out, ldo, next) : q16_half<MR, false>(x, K, blk, h, out, ldo, next))
@@ -808,8 +827,8 @@ __attribute__((target("avx2,fma"))) void q16_halves(int64_t rows, const int16_t*
 // 4 over each half (5 rows: 3 + 2, 9: 3 + 3 + 3); the first group prefetches the next block.
 // Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.02 1.39 1.57 2.35 ms
 // (ScreenedHead.argmax timed alone on 1..9 rows). The products are exact integer sums: the same bits in any grouping.
-__attribute__((target("avx2,fma"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
-                                                  const int8_t* next, float* out, int64_t ldo) {
+__attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
+                                                       const int8_t* next, float* out, int64_t ldo) {
   if (M > 2) {
     const int64_t groups = (M + 3) / 4, base = M / groups, extra = M % groups;
     for (int64_t g = 0, m = 0; g < groups; m += base + (g < extra), ++g) {
@@ -854,15 +873,15 @@ __attribute__((target("avx2,fma"))) void q16_rows(const int16_t* x, int64_t M, i
   }
 #define Q16_MADD(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
 #define Q16_DPWSSD(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
-Q16_BLOCK512(q16_block512, "avx512f,avx512bw,avx512dq,avx2,fma", Q16_MADD)
-Q16_BLOCK512(q16_block512_vnni, "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma", Q16_DPWSSD)
+Q16_BLOCK512(q16_block512, "avx512f,avx512bw,avx512dq,avx2,fma,f16c", Q16_MADD)
+Q16_BLOCK512(q16_block512_vnni, "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c", Q16_DPWSSD)
 #undef Q16_BLOCK512
 #undef Q16_MADD
 #undef Q16_DPWSSD
 
 // Every row against one int8 block, 6 rows at a time; the first group prefetches the next block.
 template <bool VNNI, int MR>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma"))) inline void q16_group512(
+__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) inline void q16_group512(
     const int16_t* x, int64_t K, const int8_t* blk, float* out, int64_t ldo, const int8_t* next, bool pf) {
   if (VNNI) {
     if (pf) q16_block512_vnni<MR, true>(x, K, blk, out, ldo, next);
@@ -874,7 +893,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma"))) inline void q16_gr
 }
 
 template <bool VNNI>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma"))) void q16_rows512(
+__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) void q16_rows512(
     const int16_t* x, int64_t M, int64_t K, const int8_t* blk, const int8_t* next, float* out, int64_t ldo) {
   for (int64_t m = 0; m < M; m += 6) {
     const int16_t* xm = x + m * K;
@@ -911,15 +930,15 @@ float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
 
 // The screen's bookkeeping, 8 tokens v..v+7 (all < V) of one row at a time, with the scalar
 // loops' operations in the same order (so the same bits). banned_mask: lanes whose token is banned.
-__attribute__((target("avx2,fma"))) inline __m256 banned_mask(const bool* bn) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 banned_mask(const bool* bn) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bn)));
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, _mm256_setzero_si256()));
 }
 
 // Scales the products a[0..7] in place to approximate logits a * (s * sh) and raises fl[0..7] to their lower
 // bounds a - (hn * c + tiny), banned tokens skipped; a NaN bound keeps fl, like std::max(fl, bound).
-__attribute__((target("avx2,fma"))) inline void screen8_floor(float* a, const float* s, float sh, const float* c,
-                                                              float hn, float tiny, const bool* bn, float* fl) {
+__attribute__((target("avx2,fma,f16c"))) inline void screen8_floor(float* a, const float* s, float sh, const float* c,
+                                                                   float hn, float tiny, const bool* bn, float* fl) {
   const __m256 av = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(sh)));
   _mm256_storeu_ps(a, av);
   const __m256 b = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(hn), _mm256_loadu_ps(c)), _mm256_set1_ps(tiny));
@@ -929,8 +948,8 @@ __attribute__((target("avx2,fma"))) inline void screen8_floor(float* a, const fl
 }
 
 // Bit l set: token l is a candidate (upper bound a + (hn * c + tiny) >= floor, not banned).
-__attribute__((target("avx2,fma"))) inline int screen8_candidates(const float* a, const float* c, float hn,
-                                                                  float tiny, const bool* bn, float floor) {
+__attribute__((target("avx2,fma,f16c"))) inline int screen8_candidates(const float* a, const float* c, float hn,
+                                                                       float tiny, const bool* bn, float floor) {
   const __m256 b = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(hn), _mm256_loadu_ps(c)), _mm256_set1_ps(tiny));
   int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a), b), _mm256_set1_ps(floor), _CMP_GE_OQ));
   if (bn) bits &= ~_mm256_movemask_ps(banned_mask(bn));
@@ -1165,8 +1184,8 @@ int32_t q4_dot_scalar(const int8_t* x, int64_t K, const uint8_t* blk, int j) {
 // by the row's signed features (|pair sum| <= 2 * 15 * 127: no saturation), madd sums pairs into
 // int32 lanes 0-3 (row 2jj) and 4-7 (row 2jj+1).
 template <int MR>
-__attribute__((target("avx2,fma"))) void q4_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
-                                                  int64_t ldo) {
+__attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
+                                                       int64_t ldo) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256i acc[MR][4];
   for (int i = 0; i < MR; ++i)
@@ -1462,7 +1481,7 @@ inline float exp_scalar(float x) {
   return y * scale;
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 exp_avx2(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
   __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kC1)));
@@ -1481,7 +1500,7 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
 }
 
 // The largest of scores[0..n) (max is exact: any order gives the same value).
-__attribute__((target("avx2,fma"))) inline float max_avx2(const float* scores, int64_t n) {
+__attribute__((target("avx2,fma,f16c"))) inline float max_avx2(const float* scores, int64_t n) {
   __m256 m = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + j));
@@ -1494,7 +1513,7 @@ __attribute__((target("avx2,fma"))) inline float max_avx2(const float* scores, i
 
 // exp(scores - best) in place for scores[0..n) -> their sum: 8 lane sums over the full groups of
 // 8, hsum8's order, then the tail (softmax_weights_scalar is the same order).
-__attribute__((target("avx2,fma"))) inline float softmax_weights_avx2(float* scores, int64_t n, float best) {
+__attribute__((target("avx2,fma,f16c"))) inline float softmax_weights_avx2(float* scores, int64_t n, float best) {
   int64_t j = 0;
   __m256 acc = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
@@ -1520,8 +1539,8 @@ float softmax_weights_scalar(float* scores, int64_t n, float best) {
 // exp, normalizer and value sum for D == 64 (the value accumulation in 8 registers, the same
 // per-element operations as the scalar form in softmax_values).
 template <typename T>
-__attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, const T* v, int64_t vs, int64_t n,
-                                                             float best, float* out) {
+__attribute__((target("avx2,fma,f16c"))) void softmax_values_avx2(float* scores, const T* v, int64_t vs, int64_t n,
+                                                                  float best, float* out) {
   const float total = softmax_weights_avx2(scores, n, best);
   int64_t j;
   __m256 acc[8];
@@ -1541,9 +1560,9 @@ __attribute__((target("avx2,fma"))) void softmax_values_avx2(float* scores, cons
 // softmax weights of query g, total[g] their sum. Each output element is the same chain of
 // fmas over j ascending as in softmax_values_avx2, then the same division: the same bits.
 template <int G, typename T>
-__attribute__((target("avx2,fma"))) void values_group_avx2(const float* const* w, const int64_t* n,
-                                                           const float* total, const T* v, int64_t vs,
-                                                           float* const* out) {
+__attribute__((target("avx2,fma,f16c"))) void values_group_avx2(const float* const* w, const int64_t* n,
+                                                                const float* total, const T* v, int64_t vs,
+                                                                float* const* out) {
   int64_t n_max = 0;
   for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
   for (int c = 0; c < 64; c += 16) {
@@ -1570,16 +1589,16 @@ __attribute__((target("avx2,fma"))) void values_group_avx2(const float* const* w
 
 // values_group_avx2 with 16 dimensions per register (AVX-512): each output element is the same
 // chain of fmas over j ascending, then the same division, so the same bits.
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) inline __m512 load16(const bf16* p) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 template <int G, typename T>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void values_group512(const float* const* w, const int64_t* n,
-                                                                         const float* total, const T* v, int64_t vs,
-                                                                         float* const* out) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void values_group512(const float* const* w, const int64_t* n,
+                                                                              const float* total, const T* v, int64_t vs,
+                                                                              float* const* out) {
   int64_t n_max = 0;
   for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
   for (int c = 0; c < 64; c += 32) {
@@ -1607,8 +1626,8 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void values_group512(const 
 // Softmax-weighted value sums of Tq >= 2 queries (D == 64): weights per query, then the value
 // pass in groups of up to 6 queries (12 accumulators + 2 value registers).
 template <typename T>
-__attribute__((target("avx2,fma"))) void softmax_values_multi_avx2(float* scores, int64_t ld, const int64_t* n,
-                                                                   int64_t Tq, const T* v, int64_t vs, float* out) {
+__attribute__((target("avx2,fma,f16c"))) void softmax_values_multi_avx2(float* scores, int64_t ld, const int64_t* n,
+                                                                        int64_t Tq, const T* v, int64_t vs, float* out) {
   std::vector<float> total(Tq);
   std::vector<const float*> w(Tq);
   std::vector<float*> o(Tq);
@@ -1959,7 +1978,7 @@ std::vector<at::Tensor> rule_state(const at::Tensor& tokens, const at::Tensor& n
 
 // The mean of x[0..d) and the mean of (x - mean)^2: 8 lane sums over whole groups of 8 (the
 // squares as a product then a sum), hsum8's order, then the tail.
-__attribute__((target("avx2,fma"))) std::pair<float, float> moments(const float* x, int64_t d, bool vec) {
+__attribute__((target("avx2,fma,f16c"))) std::pair<float, float> moments(const float* x, int64_t d, bool vec) {
   int64_t i = 0;
   float total;
   if (vec) {
@@ -2002,8 +2021,8 @@ __attribute__((target("avx2,fma"))) std::pair<float, float> moments(const float*
 // y = (x - mean) * rstd * w + b over each row of x [M, d]; mean and the (biased) variance in
 // float32, rstd = 1 / sqrt(var + eps). T: x's and y's dtype, P: the parameters'.
 template <typename T, typename P>
-__attribute__((target("avx2,fma"))) void layer_norm_rows(const T* x, int64_t M, int64_t d, const P* w, const P* b,
-                                                        float eps, T* y, bool vec) {
+__attribute__((target("avx2,fma,f16c"))) void layer_norm_rows(const T* x, int64_t M, int64_t d, const P* w, const P* b,
+                                                             float eps, T* y, bool vec) {
   std::vector<float> row(d), wf(d), bf(d);
   for (int64_t i = 0; i < d; ++i) wf[i] = widen(w[i]), bf[i] = widen(b[i]);
   for (int64_t m = 0; m < M; ++m) {
@@ -2042,7 +2061,7 @@ inline float gelu_scalar(float x) {
   return 0.5f * x * (1.0f + erf);
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 gelu_avx2(__m256 x) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 gelu_avx2(__m256 x) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 a = _mm256_andnot_ps(sign, _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)));
   const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(_mm256_set1_ps(kErfP), a)));
@@ -2059,7 +2078,7 @@ __attribute__((target("avx2,fma"))) inline __m256 gelu_avx2(__m256 x) {
 }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void gelu_values(const T* x, int64_t n, T* y, bool vec) {
+__attribute__((target("avx2,fma,f16c"))) void gelu_values(const T* x, int64_t n, T* y, bool vec) {
   int64_t i = 0;
   if (vec && std::is_same<T, float>::value) {
     const float* xf = reinterpret_cast<const float*>(x);

@@ -28,8 +28,8 @@ constexpr int64_t kEncKC = 256;  // keys per block of the value product (64 to 5
 // c[6 × 16] (row stride ldc) = (first ? 0 : c) + Σ_k a[6k + r] · b[k · ldb + j]: FMAs over k in
 // order, one accumulator per (row, 8 columns). The accumulators are named, not an array: GCC kept
 // an array's elements on the stack, storing ten of them every step (a third of the FMA rate).
-__attribute__((target("avx2,fma"))) inline void enc_tile(const float* a, const float* b, int64_t ldb, int64_t kc,
-                                                         float* c, int64_t ldc, bool first) {
+__attribute__((target("avx2,fma,f16c"))) inline void enc_tile(const float* a, const float* b, int64_t ldb, int64_t kc,
+                                                              float* c, int64_t ldc, bool first) {
 #define ENC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define ENC_INIT(r)                                                            \
   __m256 c##r##0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc); \
@@ -73,7 +73,7 @@ inline void enc_pack_rows(const float* src, int64_t ld, int64_t rows, int64_t co
 // with fused multiply-adds: 16 vector operations instead of 27 (one thread's softmax over base's
 // heads, 13 -> 9 ms of a ≈ 90 ms pass). Its rounding differs from exp_avx2's; there is no scalar
 // twin to match, as this kernel has no scalar path (callers check the vector level).
-__attribute__((target("avx2,fma"))) inline __m256 enc_exp(__m256 x) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 enc_exp(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(kExpLo));
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC1), x);
@@ -90,10 +90,10 @@ __attribute__((target("avx2,fma"))) inline __m256 enc_exp(__m256 x) {
 
 // One work item: queries q0 .. q0 + nq (nq <= 32) of head h. kp: the head's keys packed
 // ([Tr / 6][Dh][6]); vp: its values transposed and packed ([ceil(Dh / 6)][Tr][6]).
-__attribute__((target("avx2,fma"))) void enc_attention_item(const float* q, int64_t ldq, int64_t nq, int64_t T,
-                                                            int64_t Dh, const float* kp, const float* vp,
-                                                            float* out, int64_t ldo, float* qp, float* s,
-                                                            float* o) {
+__attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q, int64_t ldq, int64_t nq, int64_t T,
+                                                                 int64_t Dh, const float* kp, const float* vp,
+                                                                 float* out, int64_t ldo, float* qp, float* s,
+                                                                 float* o) {
   const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
   for (int64_t d = 0; d < Dh; ++d)  // Qᵀ [Dh][32], queries past nq zero
     for (int64_t i = 0; i < kEncQ; ++i) qp[d * kEncQ + i] = i < nq ? q[i * ldq + d] : 0.0f;

@@ -49,8 +49,9 @@ def write_tokenizer(folder: Path, vocab_size: int, word_offset: int = 0) -> None
 def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_model: int = 64,
                     encoder_layers: int = 2, decoder_layers: int = 2, heads: int = 4,
                     seed: int = 0, init_std: float = 0.2, word_offset: int = 0,
-                    encoder_from: Path | None = None, ffn_dim: int | None = None) -> Path:
-    """Save a random WhisperForConditionalGeneration + tokenizer + generation config."""
+                    encoder_from: Path | None = None, ffn_dim: int | None = None, float16: bool = False) -> Path:
+    """Save a random WhisperForConditionalGeneration + tokenizer + generation config (`float16`:
+    its tensors stored in float16, as Whisper's own checkpoints are)."""
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     folder = Path(folder)
@@ -70,6 +71,8 @@ def make_checkpoint(folder: Path, vocab_size: int = 51865, n_mels: int = 80, d_m
     if encoder_from is not None:
         donor = WhisperForConditionalGeneration.from_pretrained(encoder_from)
         model.model.encoder.load_state_dict(donor.model.encoder.state_dict())
+    if float16:
+        model = model.to(torch.float16)
     model.save_pretrained(folder)
     write_tokenizer(folder, vocab_size, word_offset)
 
@@ -97,7 +100,7 @@ def hf_generate(folder: Path, mel: torch.Tensor, language: str | None, max_new_t
     """Greedy token ids from `transformers` generate (generated tokens only, no EOT)."""
     from transformers import WhisperForConditionalGeneration
 
-    model = WhisperForConditionalGeneration.from_pretrained(folder).eval()
+    model = WhisperForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     eot = model.generation_config.eos_token_id
     kwargs = dict(language=language, task="transcribe") if model.generation_config.is_multilingual else {}
     with torch.no_grad():

@@ -59,5 +59,12 @@ def english(ckpt_dir):
 
 
 @pytest.fixture(scope="session")
+def float16(ckpt_dir):
+    """Stored in float16 like Whisper's checkpoints: a float32 engine's C++ step reads its
+    projections in float16 (`Whisper.half_projections`)."""
+    return ckpt_dir("float16", vocab_size=51865, n_mels=80, d_model=64, heads=4, seed=7, float16=True)
+
+
+@pytest.fixture(scope="session")
 def v3(ckpt_dir):
     return ckpt_dir("v3", vocab_size=51866, n_mels=128, d_model=80, heads=5, seed=3)

@@ -7,6 +7,7 @@ import torch
 
 from checkpoints import hf_generate
 from specwhisper import Engine, load_audio, log_mel_spectrogram
+from specwhisper.backends import cpu_ops
 from specwhisper.model.weights import load_whisper
 from specwhisper.model.whisper import DecoderCache
 from specwhisper.samples import sample_paths
@@ -19,11 +20,14 @@ def speech_mels(n_mels: int, count: int) -> torch.Tensor:
     return torch.stack([log_mel_spectrogram(load_audio(p), n_mels=n_mels) for p in paths])
 
 
-@pytest.mark.parametrize("name", ["multilingual", "english", "v3"])
+@pytest.mark.parametrize("name", ["multilingual", "english", "v3", "float16"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_matches_transformers(request, name, batch):
     folder = request.getfixturevalue(name)
     engine = Engine(folder)
+    # a float16 checkpoint's projections are read in float16 by the C++ step (float32 values)
+    half = {p.dtype for p in engine.target.model.decoder.layer_params()} == {torch.float32, torch.float16}
+    assert half == (name == "float16") or not cpu_ops.available()
     mel = speech_mels(engine.n_mels, batch)
     multilingual = engine.target.tokenizer.multilingual
     language = "en" if multilingual else None

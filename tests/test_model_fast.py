@@ -33,7 +33,7 @@ def head64(ckpt_dir):
     return ckpt_dir("head64", vocab_size=51865, n_mels=80, d_model=128, heads=2, seed=5)
 
 
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [3, 8, 37, 512])
 def test_linear_matches_reference(wdtype, K):
     gen = torch.Generator().manual_seed(K)
@@ -51,7 +51,7 @@ def test_linear_matches_reference(wdtype, K):
             assert torch.equal(cpu_ops.linear(x[m:m + 1], weight, bias), out[m:m + 1])
 
 
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
     """A thread's weight rows are read as four strided streams (row n shares a tile with rows a
     quarter of the range apart; the last N % 4 rows are single dot products): each output must be
@@ -69,6 +69,28 @@ def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
                     assert torch.equal(cpu_ops.linear(x[i:i + 1], weight), full[i:i + 1]), (M, level, i)
                 for a, b in [(0, 1), (1, 2), (5, 9), (3, 50), (100, 203), (7, 201)]:
                     assert torch.equal(cpu_ops.linear(x, weight[a:b].contiguous()), full[:, a:b]), (M, level, a, b)
+
+
+@pytest.mark.parametrize("K", [3, 64, 100, 512])  # 3, 100: scalar tails after the groups of 8
+def test_float16_weights_give_the_bits_of_their_float32_values(K):
+    """float16 weights are widened exactly where they are read (F16C; AVX-512; the scalar twin):
+    every output equals, bit for bit, the product with the same values stored in float32, at
+    every vector level, for 1..9 rows (every tile shape) and a bias, with rows in quarter tiles
+    and tails (203 outputs)."""
+    gen = torch.Generator().manual_seed(K)
+    w16 = (torch.randn(203, K, generator=gen) * 0.3).to(torch.float16)
+    w32 = w16.float()
+    bias = torch.randn(203, generator=gen)
+    x = torch.randn(9, K, generator=gen)
+    first = None
+    for level in (2, 1, 0):
+        with cpu_ops.vector_level(level):
+            for M in range(1, 10):
+                half = cpu_ops.linear(x[:M], w16, bias)
+                assert half.dtype == torch.float32
+                assert torch.equal(half, cpu_ops.linear(x[:M], w32, bias)), (level, M)
+            first = half if first is None else first
+            assert torch.equal(half, first), level
 
 
 def test_ops_run_on_every_thread_with_thread_independent_bits():
@@ -377,6 +399,47 @@ def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     (a, ca), (b, cb) = out
     assert torch.equal(a, b)
     assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
+
+
+def test_half_projections_step_has_the_float32_bits(head64, monkeypatch):
+    """A float32 model whose projections hold float16 values (Whisper's checkpoints are stored in
+    float16) lets its C++ step read float16 copies (`Whisper.half_projections`): hidden states and
+    caches bit for bit those of the layer-by-layer float32 path (`forward_rows`), for 1..9
+    positions and two rows at different positions. A weight that is not a float16 value keeps its
+    float32 copy (and the step its bits); a model of random float32 weights gets none."""
+    from specwhisper.model.whisper import Decoder, PROJECTIONS
+
+    model, features, gen = decoder_setup(head64, torch.float32, batch=2)
+    whisper, dec = model.model, model.model.decoder
+    assert not whisper.half_projections()  # random float32 weights: nothing to store in float16
+    assert all(p.dtype == torch.float32 for p in dec.layer_params())
+    for layer in dec.layers:  # the weights a float16 checkpoint would hold
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.half().float())
+    whisper.fuse()
+    assert whisper.half_projections()
+    params = dec.layer_params()
+    per = len(params) // len(dec.layers)
+    assert {params[per * i + j].dtype for i in range(len(dec.layers)) for j in PROJECTIONS} == {torch.float16}
+    assert dec.layers[0].fc1.weight.dtype == torch.float32  # the modules keep float32
+    dec.layers[1].fc2.weight[0, 0] += 2.0**-20  # no float16 value any more: that tensor stays float32
+    dec.forget_layer_params()
+    assert not whisper.half_projections()
+    assert dec.layer_params()[per + 16].dtype == torch.float32 and dec.layer_params()[per + 14].dtype == torch.float16
+    prompt = torch.randint(0, 50000, (2, 8), generator=gen)
+    for T in range(1, 10):
+        tokens = torch.randint(0, 50000, (2, T), generator=gen)
+        pos = torch.stack([torch.arange(8, 8 + T), torch.arange(440, 440 + T).clamp(max=448)])
+        out = []
+        for fused in (True, False):
+            monkeypatch.setattr(Decoder, "fused_step", fused)
+            cache = fresh_cache(model, features, torch.float32)
+            dec.hidden(prompt, torch.arange(8).expand(2, 8), cache)
+            out.append((dec.hidden(tokens, pos, cache, kv_len=449), cache))
+        (a, ca), (b, cb) = out
+        assert torch.equal(a, b), T
+        assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers())), T
 
 
 def test_fused_step_names_a_bad_token_or_position(head64):

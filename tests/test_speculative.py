@@ -93,6 +93,23 @@ def test_speculative_equals_target_only(kind, k, drafts, target, mels, reference
         assert 0.05 < rate < 1.0, rate
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_a_float16_checkpoint_target_is_exact(k, ckpt_dir, tmp_path_factory, mels):
+    """A target stored in float16 (as Whisper's are) decodes in float32 with its C++ step reading
+    the projections in float16 (`Whisper.half_projections`): its verify passes of k + 1 rows and 3
+    sequences give target-only's tokens, with a self draft and a perturbed one."""
+    target16 = ckpt_dir("spec-target16", vocab_size=51865, d_model=64, heads=4, seed=11, float16=True)
+    noisy = perturbed(target16, tmp_path_factory.mktemp("noisy16") / "noisy", 0.05, seed=1)
+    plain = Engine(target16)
+    assert torch.float16 in {p.dtype for p in plain.target.model.decoder.layer_params()} or not cpu_ops.available()
+    reference = [o.tokens for o in plain.transcribe(mels[:3], language="en", max_new_tokens=MAX_NEW)]
+    assert all(len(t) >= 20 for t in reference)
+    for draft in (target16, noisy):
+        out = Engine(target16, draft).transcribe(mels[:3], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=k)
+        assert [o.tokens for o in out] == reference
+        assert sum(o.stats.accepted for o in out) > 0
+
+
 def test_shared_encoder_is_detected_and_run_once(target, drafts):
     engine = Engine(target, drafts["shared"])
     assert engine.drafter.shared_encoder

@@ -1,4 +1,5 @@
-"""The CPU's decisions: float32 by default, an exact int8-screened greedy head, compact drafts
+"""The CPU's decisions: float32 by default (a float16 checkpoint's projections read in float16 by
+the C++ step, widened exactly), an exact int8-screened greedy head, compact drafts
 (bfloat16 / int8 projections read by the C++ decode ops), a bfloat16 model split between decoder
 and encoder by what the CPU computes fast, eager steps trimmed to the longest row, one window per
 encoder call, and the adaptive k calibrated from measured pass costs."""
@@ -19,6 +20,12 @@ class CpuBackend(Backend):
     calibrates = True  # pass costs vary by CPU (a verify row adds arithmetic: v(5) ~ 1.3-1.7)
 
     def load_whisper(self, path, dtype: torch.dtype):
+        if dtype == torch.float32:
+            model = super().load_whisper(path, dtype)
+            # float16 checkpoints (Whisper's): the C++ step reads the projections in float16,
+            # widened exactly (the same bits, half the bytes of the decoder blocks)
+            model.half_projections()
+            return model
         if dtype != torch.bfloat16:
             return super().load_whisper(path, dtype)
         model = super().load_whisper(path, torch.float32)
