@@ -409,22 +409,28 @@ def test_half_projections_step_has_the_float32_bits(head64, monkeypatch):
     float32 copy (and the step its bits); a model of random float32 weights gets none."""
     from specwhisper.model.whisper import Decoder, PROJECTIONS
 
-    model, features, gen = decoder_setup(head64, torch.float32, batch=2)
+    with torch.inference_mode(False):  # weights with version counters, changed in place below
+        model, features, gen = decoder_setup(head64, torch.float32, batch=2)
     whisper, dec = model.model, model.model.decoder
     assert not whisper.half_projections()  # random float32 weights: nothing to store in float16
     assert all(p.dtype == torch.float32 for p in dec.layer_params())
-    for layer in dec.layers:  # the weights a float16 checkpoint would hold
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(module.weight.half().float())
-    whisper.fuse()
+    with torch.inference_mode(False), torch.no_grad():
+        for layer in dec.layers:  # the weights a float16 checkpoint would hold
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(module.weight.half().float())
+        whisper.fuse()
     assert whisper.half_projections()
     params = dec.layer_params()
     per = len(params) // len(dec.layers)
     assert {params[per * i + j].dtype for i in range(len(dec.layers)) for j in PROJECTIONS} == {torch.float16}
     assert dec.layers[0].fc1.weight.dtype == torch.float32  # the modules keep float32
-    dec.layers[1].fc2.weight[0, 0] += 2.0**-20  # no float16 value any more: that tensor stays float32
-    dec.forget_layer_params()
+    before = dec.layer_params()[per + 16]
+    with torch.inference_mode(False), torch.no_grad():
+        dec.layers[1].fc2.weight[0, 0] += 2.0**-20  # no float16 value any more: stays float32
+    after = dec.layer_params()[per + 16]  # the change in place is seen without forget_layer_params
+    assert before.dtype == torch.float16 and after.dtype == torch.float32
+    assert torch.equal(after, dec.layers[1].fc2.weight)
     assert not whisper.half_projections()
     assert dec.layer_params()[per + 16].dtype == torch.float32 and dec.layer_params()[per + 14].dtype == torch.float16
     prompt = torch.randint(0, 50000, (2, 8), generator=gen)

@@ -350,9 +350,14 @@ class Decoder(nn.Module):
         """The 18 tensors per layer `cpu_ops.decoder_layers` reads, in its order (cached; call
         `forget_layer_params` after replacing weights); an int8 decoder (`int8_projections`)
         passes its packed int8 projections and appends their 6 scales (24 per layer); a `half`
-        one passes float16 copies of the projection weights that are float16 values."""
+        one passes float16 copies of the projection weights that are float16 values (rebuilt when
+        one of those weights changes in place, as the step would see a weight it reads itself;
+        not for inference tensors, which keep no version counter)."""
+        copied = getattr(self, "_copied", ())
+        if any(version is not None and t._version != version for t, version in copied):
+            self._layer_params = None
         if getattr(self, "_layer_params", None) is None:
-            params = []
+            params, self._copied = [], []
             for layer in self.layers:
                 sa, ca = layer.self_attn, layer.encoder_attn
                 w = [sa.fused_weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight,
@@ -360,6 +365,9 @@ class Decoder(nn.Module):
                 b = [sa.fused_bias, sa.out_proj.bias, ca.q_proj.bias, ca.out_proj.bias, layer.fc1.bias, layer.fc2.bias]
                 scales = []
                 if self.half:
+                    # an inference tensor keeps no version counter (changed in place only in
+                    # inference mode): call forget_layer_params after changing one
+                    self._copied += [(t, None if t.is_inference() else t._version) for t in w]
                     w = [exact_half(t) for t in w]
                 if self.int8:
                     w, scales = [q for q, _ in layer.int8], [s for _, s in layer.int8]
