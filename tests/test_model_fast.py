@@ -401,6 +401,69 @@ def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
 
 
+def test_one_buffer_copies_side_by_side():
+    """`one_buffer`: copies with the same values, dtypes and shapes, contiguous, 64-byte aligned,
+    in one allocation (int8 blocks, float16, float32 and bfloat16, odd sizes, an empty tensor);
+    the sources untouched."""
+    from specwhisper.model.whisper import one_buffer
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-127, 128, (3, 4, 8, 8), generator=g, dtype=torch.int8),
+               torch.randn(5, 7, generator=g).half(), torch.randn(13, generator=g),
+               torch.randn(2, 3, generator=g).to(torch.bfloat16), torch.empty(0), torch.randn(1, generator=g)]
+    before = [t.clone() for t in tensors]
+    copies = one_buffer(tensors)
+    storage = copies[0].untyped_storage().data_ptr()
+    for t, c, b in zip(tensors, copies, before):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
+        assert torch.equal(c, t) and torch.equal(t, b) and (c.numel() == 0 or c.data_ptr() != t.data_ptr())
+        assert c.untyped_storage().data_ptr() == storage and (c.numel() == 0 or c.data_ptr() % 64 == 0)
+
+
+def test_step_tensors_in_one_buffer_follow_in_place_changes(head64):
+    """A float16-valued decoder's step reads copies of its tensors from one allocation
+    (`Decoder.layer_params`): every tensor but float32 weights that are not float16 values, and
+    a change in place of any tensor copied there (a layer norm, a bias, a projection) reaches the
+    step without forget_layer_params, hidden states equal to the layer-by-layer path's."""
+    from specwhisper.model.whisper import PROJECTIONS
+
+    with torch.inference_mode(False):
+        model, features, gen = decoder_setup(head64, torch.float32, batch=1)
+    whisper, dec = model.model, model.model.decoder
+    with torch.inference_mode(False), torch.no_grad():
+        for layer in dec.layers:
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(module.weight.half().float())
+        whisper.fuse()
+    assert whisper.half_projections()
+    params = dec.layer_params()
+    assert len({t.untyped_storage().data_ptr() for t in params}) == 1  # all in one buffer
+    tokens, pos = torch.randint(0, 50000, (1, 3), generator=gen), torch.arange(3)[None]
+
+    def both():
+        out = []
+        for fused in (True, False):
+            dec.fused_step = fused
+            out.append(dec.hidden(tokens, pos, fresh_cache(model, features, torch.float32), kv_len=8))
+        dec.fused_step = True
+        return out
+
+    first, _ = both()
+    with torch.inference_mode(False), torch.no_grad():
+        dec.layers[0].final_layer_norm.weight.mul_(1.5)  # small module tensors: copied too
+        dec.layers[1].encoder_attn.out_proj.bias.add_(0.25)
+    fused, layered = both()
+    assert not torch.equal(fused, first) and torch.equal(fused, layered)
+    with torch.inference_mode(False), torch.no_grad():
+        dec.layers[1].fc2.weight[0, 0] += 2.0**-20  # no float16 value: the step reads it in place
+    per = len(dec.layer_params()) // len(dec.layers)
+    assert dec.layer_params()[per + 16].data_ptr() == dec.layers[1].fc2.weight.data_ptr()
+    assert dec.layer_params()[per + PROJECTIONS[0]].dtype == torch.float16
+    fused, layered = both()
+    assert torch.equal(fused, layered)
+
+
 def test_half_projections_step_has_the_float32_bits(head64, monkeypatch):
     """A float32 model whose projections hold float16 values (Whisper's checkpoints are stored in
     float16) lets its C++ step read float16 copies (`Whisper.half_projections`): hidden states and
@@ -602,6 +665,8 @@ def test_compact_draft_keeps_output_exact(head64, ckpt_dir):
     assert compact.runner.draft_side.cache.cross_k.dtype == torch.bfloat16  # its cross K/V too
     step = compact.drafter.draft.model.decoder
     assert step.int8 and len(step.layer_params()) == 24 * len(step.layers)  # int8 projections in its C++ step
+    packs = [t for layer in step.layers for pair in layer.int8 for t in pair]  # held once: in the step's buffer
+    assert {t.untyped_storage().data_ptr() for t in packs} == {step.layer_params()[0].untyped_storage().data_ptr()}
     assert not full.drafter.draft.model.decoder.int8
     assert full.runner.draft_side.cache.cross_k.dtype == torch.float32
     assert compact.target.model.decoder.layers[0].fc1.weight.dtype == torch.float32  # never the target
