@@ -401,6 +401,17 @@ def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
 
 
+def float16_valued(whisper) -> None:
+    """Round a model's decoder projections to float16 values (what a float16 checkpoint holds,
+    kept in float32), then fuse its q/k/v."""
+    with torch.inference_mode(False), torch.no_grad():
+        for layer in whisper.decoder.layers:
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(module.weight.half().float())
+        whisper.fuse()
+
+
 def test_one_buffer_copies_side_by_side():
     """`one_buffer`: copies with the same values, dtypes and shapes, contiguous, 64-byte aligned,
     in one allocation (int8 blocks, float16, float32 and bfloat16, odd sizes, an empty tensor);
@@ -430,12 +441,7 @@ def test_step_tensors_in_one_buffer_follow_in_place_changes(head64):
     with torch.inference_mode(False):
         model, features, gen = decoder_setup(head64, torch.float32, batch=1)
     whisper, dec = model.model, model.model.decoder
-    with torch.inference_mode(False), torch.no_grad():
-        for layer in dec.layers:
-            for module in layer.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.copy_(module.weight.half().float())
-        whisper.fuse()
+    float16_valued(whisper)
     assert whisper.half_projections()
     params = dec.layer_params()
     assert len({t.untyped_storage().data_ptr() for t in params}) == 1  # all in one buffer
@@ -477,12 +483,7 @@ def test_half_projections_step_has_the_float32_bits(head64, monkeypatch):
     whisper, dec = model.model, model.model.decoder
     assert not whisper.half_projections()  # random float32 weights: nothing to store in float16
     assert all(p.dtype == torch.float32 for p in dec.layer_params())
-    with torch.inference_mode(False), torch.no_grad():
-        for layer in dec.layers:  # the weights a float16 checkpoint would hold
-            for module in layer.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.copy_(module.weight.half().float())
-        whisper.fuse()
+    float16_valued(whisper)  # the weights a float16 checkpoint would hold
     assert whisper.half_projections()
     params = dec.layer_params()
     per = len(params) // len(dec.layers)
