@@ -384,26 +384,27 @@ class Decoder(nn.Module):
         if any(version is not None and t._version != version for t, version in copied):
             self._layer_params = None
         if getattr(self, "_layer_params", None) is None:
-            params, sources = [], []  # what the step reads, and what each is made from
+            params, sources = [], []  # what the step reads, and the tensor each copies (None: its own)
             for layer in self.layers:
                 sa, ca = layer.self_attn, layer.encoder_attn
                 w = [sa.fused_weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight,
                      layer.fc1.weight, layer.fc2.weight]
                 b = [sa.fused_bias, sa.out_proj.bias, ca.q_proj.bias, ca.out_proj.bias, layer.fc1.bias, layer.fc2.bias]
-                w_from, b_from, scales = w, b, []
+                w_from, b_from, scales, own_scales = w, b, [], []
                 if self.half:
                     w = [exact_half(t) for t in w]
                 if self.int8:
+                    # the packs and scales are the step's own (`int8_projections` replaces them and forgets)
                     w, scales = [q for q, _ in layer.int8], [s for _, s in layer.int8]
-                    w_from = w
+                    w_from, own_scales = [None] * len(w), [None] * len(scales)
                     # the int8 products add their biases in float32: widened once here (exactly),
                     # not in every call (a compact draft's bfloat16 biases: 24 conversions a
                     # tiny.en step)
                     b = [t.float() for t in b]
                 norms = [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm]
-                for out, ws, bs in ((params, w, b), (sources, w_from, b_from)):
+                for out, ws, bs, ss in ((params, w, b, scales), (sources, w_from, b_from, own_scales)):
                     out += [t for i in range(3) for t in (norms[i].weight, norms[i].bias, ws[2 * i], bs[2 * i],
-                                                         ws[2 * i + 1], bs[2 * i + 1])] + scales
+                                                         ws[2 * i + 1], bs[2 * i + 1])] + ss
             params = [t.detach() for t in params]
             self._copied = []
             if (self.half or self.int8) and params and params[0].device.type == "cpu":
@@ -412,10 +413,8 @@ class Decoder(nn.Module):
                          if t.data_ptr() not in own or t.numel() * t.element_size() <= SMALL_BYTES]
                 for i, copy in zip(moved, one_buffer([params[i] for i in moved])):
                     params[i] = copy
-                # the int8 packs are the step's own (`int8_projections` replaces them and forgets)
-                packs = {id(t) for layer in self.layers for pair in getattr(layer, "int8", ()) for t in pair}
                 self._copied = [(sources[i], None if sources[i].is_inference() else sources[i]._version)
-                                for i in moved if id(sources[i]) not in packs]
+                                for i in moved if sources[i] is not None]
                 if self.int8:  # the step's copies are the packs from now on (not held twice)
                     per = len(params) // len(self.layers)
                     for j, layer in enumerate(self.layers):
