@@ -288,3 +288,99 @@ def test_fast_path_attends_with_the_kernel_on_avx2_and_with_torch_elsewhere(enco
         assert len(calls) == len(encoder.layers)
     assert not torch.equal(own, flash)
     torch.testing.assert_close(own, flash, rtol=1e-4, atol=1e-4)
+
+
+@needs_avx2
+@pytest.mark.parametrize("M,K,N", [(1, 1, 16), (5, 7, 16), (6, 240, 32), (7, 256, 48), (47, 257, 64),
+                                   (48, 512, 16), (49, 513, 32), (97, 1024, 48), (1500, 512, 64)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_encoder_linear_matches_reference(M, K, N, residual):
+    """csrc/encoder_ops.h's GEMM against x @ w.T + bias (+ residual) in float64, on the edges of its
+    blocking (rows: 6 a tile, 48 a chunk; features: 256 a block) with strided rows: every element
+    within the rounding bound of a float32 sum of its K + 2 terms in order, (K + 2) u Σ|terms|."""
+    from specwhisper.backends import cpu_ops
+
+    g = torch.Generator().manual_seed(M * 31 + K)
+    wide = torch.randn(M, K + 3, generator=g)
+    x = wide[:, 1:K + 1]  # rows strided
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    r = torch.randn(M, N, generator=g) if residual else torch.zeros(M, N)
+    with torch.no_grad():
+        out = cpu_ops.encoder_linear(x, cpu_ops.encoder_pack_weight(w), b, r if residual else None)
+        ref = cpu_ops.encoder_linear_reference(x.double(), w.double(), b.double(), r.double())
+        magnitude = x.double().abs() @ w.double().abs().t() + b.double().abs() + r.double().abs()
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    assert ((out.double() - ref).abs() <= (K + 2) * 2.0**-24 * magnitude).all()
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4 * K**0.5)
+
+
+@needs_avx2
+def test_encoder_linear_reads_overlapping_rows_in_place_and_its_bits_do_not_depend_on_threads():
+    """A convolution's im2col view (rows overlapping) gives the product of its copy; 1 thread, 2
+    threads and a call from another thread (the extension's own pool) give the same bits."""
+    import threading
+
+    from specwhisper.backends import cpu_ops
+
+    g = torch.Generator().manual_seed(3)
+    frames = torch.randn(301, 40, generator=g)
+    cols = encoder_cpu.im2col(frames, 2)  # [151, 120], rows 80 floats apart
+    assert cols.stride(0) < cols.shape[1]
+    packed, b = cpu_ops.encoder_pack_weight(torch.randn(64, 120, generator=g)), torch.randn(64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.encoder_linear(cols, packed, b)
+        torch.set_num_threads(2)
+        two = cpu_ops.encoder_linear(cols, packed, b)
+        box = []
+        worker = threading.Thread(target=lambda: box.append(cpu_ops.encoder_linear(cols, packed, b)))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two) and torch.equal(one, box[0])
+    assert torch.equal(one, cpu_ops.encoder_linear(cols.contiguous(), packed, b))
+
+
+@needs_avx2
+def test_encoder_linear_names_bad_input():
+    from specwhisper.backends import cpu_ops
+
+    packed = cpu_ops.encoder_pack_weight(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ops.encoder_pack_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="x has 9 features, the weights 8"):
+        cpu_ops.encoder_linear(torch.randn(4, 9), packed, torch.zeros(32))
+    with pytest.raises(RuntimeError, match="bias must be float32 with 32 entries"):
+        cpu_ops.encoder_linear(torch.randn(4, 8), packed, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="residual must be a contiguous float32 \\[4, 32\\]"):
+        cpu_ops.encoder_linear(torch.randn(4, 8), packed, torch.zeros(32), torch.zeros(4, 31))
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        cpu_ops.encoder_linear(torch.randn(8, 4).t(), packed, torch.zeros(32))
+
+
+@needs_avx2
+def test_fast_path_projects_with_the_own_gemm_on_avx2_and_with_onednn_elsewhere(encoder, monkeypatch):
+    """On an AVX2 CPU every projection and convolution of the fast path runs the own GEMM (two
+    convolutions, four products a layer); held to the scalar level (as on an AVX-512 CPU) they run
+    oneDNN's; the features agree to float rounding, and each is rebuilt for its level."""
+    from specwhisper.backends import cpu_ops
+
+    calls = []
+    kernel = cpu_ops.encoder_linear
+    monkeypatch.setattr(cpu_ops, "encoder_linear", lambda *a: calls.append(1) or kernel(*a))
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        with cpu_ops.vector_level(1):
+            own = encoder(mel)
+        assert len(calls) == 2 + 4 * len(encoder.layers)
+        with cpu_ops.vector_level(0):
+            onednn = encoder(mel)
+        assert len(calls) == 2 + 4 * len(encoder.layers)
+        with cpu_ops.vector_level(1):
+            again = encoder(mel)
+        ref = encoder.reference(mel)
+    assert not torch.equal(own, onednn) and torch.equal(own, again)
+    torch.testing.assert_close(own, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(onednn, ref, rtol=1e-4, atol=1e-4)
