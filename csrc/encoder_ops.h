@@ -204,9 +204,12 @@ at::Tensor encoder_attention(const at::Tensor& qkv, int64_t heads) {
 // GEMM around this register tile (enc_tile's 6 × 16, 12 accumulators): features in blocks of
 // kGemmKC, rows in chunks of kGemmMC packed 6 at a time (enc_pack_rows), every 16-column weight
 // panel passing over a chunk while it sits in L2. Whisper-base's four projection shapes (1500
-// rows), two Zen 3 cores, alternated with oneDNN's inner product (brg_matmul:avx2, what the
-// encoder ran before) on the same weights, 25 rounds: 0.80-0.89 of its time, 0.855 over all four;
-// chunks of 48 rows measured best (24 to 144 tried, blocks of 128 to 512 features).
+// rows), two Zen 3 cores of a shared VM, alternated with oneDNN's inner product (brg_matmul:avx2,
+// what the encoder ran before) on the same weights: 0.855, 1.029 and 0.925 of its time over all
+// four in three runs of 21-25 rounds within an hour (the VM's speed moved by 20% meanwhile); the
+// whole encoder 0.959, 0.968, 0.972 (20 alternated windows each). Chunks of 48 rows measured best
+// (24 to 144 tried, blocks of 128 to 512 features); weight blocks of 128-512 columns held in L2
+// across all chunks (fewer passes over the weights, more over the rows) measured 0.955-1.0.
 //
 // Determinism: each output element is bias (+ residual), then FMAs over the features in order
 // (blocks in order, in order within), whatever the thread count or the row's place in a chunk.
@@ -247,7 +250,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void gemm_tile(const float* a, c
 
 // w [N, K] float32 (N a multiple of 16) -> [N / 16][K][16]: element (n, k) at [n / 16][k][n % 16].
 // (Panels blocked by kGemmKC, so that a block's panels follow each other in one stream, measured
-// the same: 0.855 of oneDNN's time both, 25 alternated rounds.)
+// the same, 25 alternated rounds.)
 at::Tensor encoder_pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) % kEncNR == 0,
               "encoder_pack_weight: w must be a float32 CPU matrix [N, K] with N a multiple of 16, got ",

@@ -9,9 +9,9 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   into it (no separate bias copy or residual add); the GELU (erf) runs in place after it (ATen's
   GELU; oneDNN's fused erf GELU measured slower: 81 vs 90 GFLOP per CPU-second for fc1 on one
   AVX2 thread). On an AVX2 CPU the product is specwhisper's own GEMM (`cpu_ops.encoder_linear`,
-  csrc/encoder_ops.h: BLIS-style blocking around a 6 × 16 register tile), 0.855 of the time of
-  oneDNN's inner product on base's four projection shapes (25 alternated rounds, two Zen 3
-  cores) and the whole encoder 0.956-0.972 (README); with AVX-512 (twice the vector width), or
+  csrc/encoder_ops.h: BLIS-style blocking around a 6 × 16 register tile), 0.86-1.03 of the time
+  of oneDNN's inner product on base's four projection shapes (three runs on two Zen 3 cores of a
+  shared VM) and the whole encoder 0.96-0.97 (README); with AVX-512 (twice the vector width), or
   held below AVX2, oneDNN's inner product on weights in its blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`);
 - q, k and v come from one fused product, q's 1/sqrt(head_dim) folded into its weights (exact:
