@@ -1449,7 +1449,8 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
 // 0.82 / 1.11 -> 0.86 / 1.36 ms, 5 queries 1.49 / 1.79 -> 2.11 / 2.25). Its keys are read as
 // matmul_range's 4 long streams instead (attention_impl).
 constexpr int64_t kAttnPrefetch = 4096;
-constexpr int64_t kOwnValuePass = 9;  // queries whose values take a pass each (attention_impl)
+constexpr int64_t kOwnValuePass = 9;  // AVX-512: more queries than this take the grouped value pass
+constexpr int64_t kValueChunk = 64;  // value rows per chunk (softmax_values_chunked_avx2)
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead.
 template <typename T>
@@ -1555,40 +1556,10 @@ __attribute__((target("avx2,fma,f16c"))) void softmax_values_avx2(float* scores,
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], div));
 }
 
-// The value sums of G queries (D == 64) in one pass over the value rows per 16 dimensions, so V
-// is read once for all the queries of a long pass (a prompt: not once per query). w[g][0..n[g]) are the
-// softmax weights of query g, total[g] their sum. Each output element is the same chain of
-// fmas over j ascending as in softmax_values_avx2, then the same division: the same bits.
-template <int G, typename T>
-__attribute__((target("avx2,fma,f16c"))) void values_group_avx2(const float* const* w, const int64_t* n,
-                                                                const float* total, const T* v, int64_t vs,
-                                                                float* const* out) {
-  int64_t n_max = 0;
-  for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
-  for (int c = 0; c < 64; c += 16) {
-    __m256 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n_max; ++j) {
-      const T* vj = v + j * vs + c;
-      if (c == 0) prefetch_value_row(vj);
-      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
-      for (int g = 0; g < G; ++g)
-        if (j < n[g]) {
-          const __m256 p = _mm256_set1_ps(w[g][j]);
-          acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
-          acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
-        }
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m256 div = _mm256_set1_ps(total[g]);
-      _mm256_storeu_ps(out[g] + c, _mm256_div_ps(acc[g][0], div));
-      _mm256_storeu_ps(out[g] + c + 8, _mm256_div_ps(acc[g][1], div));
-    }
-  }
-}
-
-// values_group_avx2 with 16 dimensions per register (AVX-512): each output element is the same
-// chain of fmas over j ascending, then the same division, so the same bits.
+// The value sums of G queries (D == 64) in one pass over the value rows per 32 dimensions (AVX-512),
+// so V is read once for all the queries of a long pass (a prompt): w[g][0..n[g]) are the softmax
+// weights of query g, total[g] their sum. Each output element is the same chain of fmas over j
+// ascending as in softmax_values_avx2, then the same division: the same bits.
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -1623,11 +1594,13 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void values_group512(c
   }
 }
 
-// Softmax-weighted value sums of Tq >= 2 queries (D == 64): weights per query, then the value
-// pass in groups of up to 6 queries (12 accumulators + 2 value registers).
+// Softmax-weighted value sums of Tq >= 2 queries (D == 64) with AVX-512: weights per query, then the
+// value pass in groups of up to 8 queries (values_group512).
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) void softmax_values_multi_avx2(float* scores, int64_t ld, const int64_t* n,
-                                                                        int64_t Tq, const T* v, int64_t vs, float* out) {
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_multi512(float* scores, int64_t ld,
+                                                                                     const int64_t* n, int64_t Tq,
+                                                                                     const T* v, int64_t vs,
+                                                                                     float* out) {
   std::vector<float> total(Tq);
   std::vector<const float*> w(Tq);
   std::vector<float*> o(Tq);
@@ -1636,30 +1609,61 @@ __attribute__((target("avx2,fma,f16c"))) void softmax_values_multi_avx2(float* s
     total[t] = softmax_weights_avx2(st, n[t], max_avx2(st, n[t]));
     w[t] = st, o[t] = out + t * 64;
   }
-  if (vector_level() >= 2) {
-    for (int64_t t = 0; t < Tq; t += 8) {
-      switch (std::min<int64_t>(8, Tq - t)) {
-        case 1: values_group512<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 2: values_group512<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 3: values_group512<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 4: values_group512<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 5: values_group512<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 6: values_group512<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 7: values_group512<7>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        default: values_group512<8>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      }
+  for (int64_t t = 0; t < Tq; t += 8) {
+    switch (std::min<int64_t>(8, Tq - t)) {
+      case 1: values_group512<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 2: values_group512<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 3: values_group512<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 4: values_group512<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 5: values_group512<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 6: values_group512<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 7: values_group512<7>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      default: values_group512<8>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
     }
-    return;
   }
-  for (int64_t t = 0; t < Tq; t += 6) {
-    switch (std::min<int64_t>(6, Tq - t)) {
-      case 1: values_group_avx2<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 2: values_group_avx2<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 3: values_group_avx2<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 4: values_group_avx2<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 5: values_group_avx2<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      default: values_group_avx2<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+}
+
+// Softmax-weighted value sums of Tq >= 2 queries (D == 64) through the value rows in chunks of
+// kValueChunk: a chunk, still in L1, serves every query in turn (each query's 8 accumulators stored
+// between chunks, exactly), where each query's own pass re-read V (the first from memory, the
+// others from L2) and 16-dimension groups of queries re-read each row 4 times. Each output element
+// is the same chain of fmas over j ascending from zero, then the same division, as in
+// softmax_values_avx2: the same bits. Base's six cross-attention layers (1500 keys), two Zen 3
+// cores, alternated in one process against those passes: 2 / 3 / 5 / 9 queries 0.89 / 0.84 /
+// 0.82 / 0.83 of their time (5: 3.18 -> 2.60 ms), 16 / 40 / 140 queries 0.85 of the groups' time.
+// Chunks of 128 rows measured 0.85-0.87; prefetching a chunk ahead into L2 the same.
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void softmax_values_chunked_avx2(float* scores, int64_t ld, const int64_t* n,
+                                                                          int64_t Tq, const T* v, int64_t vs,
+                                                                          float* out) {
+  std::vector<float> total(Tq);
+  int64_t n_max = 0;
+  for (int64_t t = 0; t < Tq; ++t) {
+    float* st = scores + t * ld;
+    total[t] = softmax_weights_avx2(st, n[t], max_avx2(st, n[t]));
+    n_max = std::max(n_max, n[t]);
+    std::fill(out + t * 64, out + t * 64 + 64, 0.0f);
+  }
+  for (int64_t j0 = 0; j0 < n_max; j0 += kValueChunk) {
+    for (int64_t t = 0; t < Tq; ++t) {
+      const int64_t j1 = std::min(j0 + kValueChunk, n[t]);
+      float* o = out + t * 64;
+      const float* w = scores + t * ld;
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(o + 8 * i);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 p = _mm256_set1_ps(w[j]);
+        const T* vj = v + j * vs;
+        if (t == 0) prefetch_value_row(vj);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vj + 8 * i), acc[i]);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
     }
+  }
+  for (int64_t t = 0; t < Tq; ++t) {
+    const __m256 div = _mm256_set1_ps(total[t]);
+    float* o = out + t * 64;
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(_mm256_loadu_ps(o + 8 * i), div));
   }
 }
 
@@ -1722,15 +1726,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       // 5 queries 2.60 -> 1.95; held to AVX2 1.32 -> 1.22, 2.21 -> 1.84). A score is one dot
       // product whatever the tiling
       matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
-      // up to kOwnValuePass queries (a verify pass): each query's value sum in its own pass over V,
-      // the first from memory, the others from L2 (384 KB a head for base); the one pass for all
-      // queries in groups of 16 dimensions was slower there (6 cross-attention layers, 1500 keys,
-      // cold, Zen 4 EPYC, alternated in one process: 5 queries 2.25 -> 2.11 ms, held to AVX2
-      // 2.50 -> 1.90; 9 queries 2.96 -> 2.39 held to AVX2). More queries (a prompt pass) re-read V
-      // from L2 once per query in their own passes: the groups win there (227 queries 47.5 ->
-      // 38.3 ms, held to AVX2 44.8 -> 38.9)
-      if (vec && D == 64 && Tq > kOwnValuePass && vs[3] == 1) {
-        softmax_values_multi_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
+      // several queries: one pass over V in chunks that serve them all (softmax_values_chunked_avx2),
+      // or with AVX-512 and more than kOwnValuePass queries (a prompt pass) the 32-dimension groups
+      if (vec && D == 64 && Tq > kOwnValuePass && vs[3] == 1 && vector_level() >= 2) {
+        softmax_values_multi512(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
+      } else if (vec && D == 64 && Tq >= 2 && vs[3] == 1) {
+        softmax_values_chunked_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
       } else {
         for (int64_t t = 0; t < Tq; ++t)
           softmax_values(scores.data() + t * n_max, vbh, vs[2], np[b * Tq + t], D, vec, of.data() + t * D);

@@ -253,7 +253,7 @@ def test_gather_dot_equals_linear_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [16, 64])
-@pytest.mark.parametrize("T", [5, 9, 17])  # 17 queries: the one value pass for all, in groups of 6 (8 with AVX-512)
+@pytest.mark.parametrize("T", [5, 9, 17])  # 17 queries: AVX-512 sums the values in groups of 8
 def test_attention_matches_reference(dtype, D, T):
     gen = torch.Generator().manual_seed(D + T)
     B, H, S = 3, 2, 40
@@ -270,6 +270,30 @@ def test_attention_matches_reference(dtype, D, T):
         for t in range(T):
             one = cpu_ops.attention(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], n_keys[b:b + 1, t:t + 1], D**-0.5)
             assert torch.equal(one[0, 0], out[b, t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [2, 5, 9, 17])
+def test_attention_value_chunks_keep_each_querys_bits(dtype, T):
+    """Several queries sum their values in one pass over chunks of 64 value rows (csrc:
+    softmax_values_chunked_avx2): over 150 keys (three chunks, the last partial) with each query's
+    own number of keys, within or across chunks, every output has the bits of that query alone
+    and of the scalar level, and matches the reference."""
+    gen = torch.Generator().manual_seed(T)
+    B, H, S, D = 2, 3, 150, 64
+    q = torch.randn(B, T, H, D, generator=gen)
+    k, v = (torch.randn(B, H, S, D, generator=gen).to(dtype) for _ in range(2))
+    n_keys = torch.randint(1, S + 1, (B, T), generator=gen)
+    n_keys[0, 0], n_keys[-1, -1] = 64, S  # a chunk's edge, all keys
+    out = cpu_ops.attention(q, k, v, n_keys, 0.125)
+    with cpu_ops.vector_level(0):
+        assert torch.equal(out, cpu_ops.attention(q, k, v, n_keys, 0.125))
+    for b in range(B):
+        for t in range(T):
+            one = cpu_ops.attention(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], n_keys[b:b + 1, t:t + 1], 0.125)
+            assert torch.equal(one[0, 0], out[b, t])
+    torch.testing.assert_close(out, cpu_ops.attention_reference(q, k.float(), v.float(), n_keys, 0.125),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_attention_reads_bfloat16_caches_with_float32_queries():
