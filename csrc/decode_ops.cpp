@@ -2278,8 +2278,6 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("set_vector_level(int level) -> int");
   m.def("vector_level() -> int");
   m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
-  m.def("encoder_pack_weight(Tensor w) -> Tensor");
-  m.def("encoder_linear(Tensor x, Tensor packed, Tensor bias, Tensor? residual) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("gelu(Tensor x) -> Tensor");
@@ -2314,8 +2312,6 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("layer_norm", &step_layer_norm);
   m.impl("gelu", &step_gelu);
   m.impl("encoder_attention", &encoder_attention);
-  m.impl("encoder_pack_weight", &encoder_pack_weight);
-  m.impl("encoder_linear", &encoder_linear);
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);

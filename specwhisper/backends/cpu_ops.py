@@ -206,33 +206,6 @@ def encoder_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
     return _ops().encoder_attention(qkv, heads)
 
 
-def encoder_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight.T + bias (+ residual), float32 (`encoder_linear`'s spec)."""
-    out = torch.addmm(bias, x, weight.t())
-    return out if residual is None else out + residual
-
-
-def encoder_linear_usable(x: torch.Tensor, out_features: int) -> bool:
-    """Whether `encoder_linear` runs for tensors like `x` and a projection to `out_features`: AVX2
-    exactly (with AVX-512 oneDNN's kernels have twice the vector width), float32, a multiple of 16
-    outputs."""
-    return (active(x) and x.dtype == torch.float32 and out_features % 16 == 0
-            and _ops().vector_level() == 1)
-
-
-def encoder_pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> `encoder_linear`'s packed panels [N / 16, K, 16]."""
-    return _ops().encoder_pack_weight(weight)
-
-
-def encoder_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows may be strided, even overlapping) @ weight.T + bias (+ residual) on the
-    packed weights (csrc/encoder_ops.h; callers check `encoder_linear_usable`)."""
-    return _ops().encoder_linear(x, packed, bias, residual)
-
-
 def attention(q, k_cache, v_cache, n_keys, scale):
     if active(q) and q.shape[-1] == k_cache.shape[-1]:
         return _ops().decode_attention(q, k_cache, v_cache, n_keys, scale)

@@ -5,15 +5,11 @@ What differs from the reference (every product and sum is still float32, over th
 positions; only rounding order changes, ≈ 1e-3 on the features, and greedy tokens stay
 identical — tests/test_encoder_cpu.py, tests/test_real.py):
 
-- every projection is one product on weights packed once, with its bias or residual add fused
-  into it (no separate bias copy or residual add); the GELU (erf) runs in place after it (ATen's
-  GELU; oneDNN's fused erf GELU measured slower: 81 vs 90 GFLOP per CPU-second for fc1 on one
-  AVX2 thread). On an AVX2 CPU the product is specwhisper's own GEMM (`cpu_ops.encoder_linear`,
-  csrc/encoder_ops.h: BLIS-style blocking around a 6 × 16 register tile), 0.86-1.03 of the time
-  of oneDNN's inner product on base's four projection shapes (three runs on two Zen 3 cores of a
-  shared VM) and the whole encoder 0.96-0.97 (README); with AVX-512 (twice the vector width), or
-  held below AVX2, oneDNN's inner product on weights in its blocked layout
-  (`torch.ops.mkldnn._reorder_linear_weight`);
+- every projection is one oneDNN inner product on weights reordered once into oneDNN's blocked
+  layout (`torch.ops.mkldnn._reorder_linear_weight`), with its bias or residual add fused into
+  the product's epilogue: no separate bias copy or residual add; the GELU (erf) runs in place
+  after it (ATen's GELU; oneDNN's fused erf GELU measured slower: 81 vs 90 GFLOP per CPU-second
+  for fc1 on one AVX2 thread);
 - q, k and v come from one fused product, q's 1/sqrt(head_dim) folded into its weights (exact:
   a power of two for every Whisper model, head_dim 64; an encoder whose scale is not takes the
   reference forward);
@@ -26,15 +22,15 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   code) and for a draft's local layers it is PyTorch's flash kernel on head-major copies of
   q/k/v (≈ 8% faster than on strided views, the copy included), whose output ([T, H, Dh] in
   memory) feeds the out projection without a copy;
-- the two convolutions are products over time-major columns: the weights reordered
+- the two convolutions are inner products over time-major columns: the weights reordered
   kernel-major ([O, 3·C]), the columns of output t are input frames s·t − 1, s·t, s·t + 1 side by
   side, so they are an overlapping strided view of the zero-padded [T + 2, C] input (`im2col`) and
   conv1's [T, d] output feeds conv2 without a transpose (conv2 14 → 7 ms a window for base: the
   channel-major columns needed a transposing copy).
 
 Windows are encoded one at a time: a window's features never depend on its batch neighbours.
-The packed weights are cached on the encoder and rebuilt when any parameter changes (identity or
-in-place version) or the C++ ops' vector level does (the own GEMM's layout or oneDNN's).
+The reordered weights are cached on the encoder and rebuilt when any parameter changes
+(identity or in-place version).
 
 A draft's own encoder may run its four projections per layer in int8 instead (`int8=True`,
 `Whisper.int8_encoder`: fbgemm's dynamic int8 GEMM, weights per output row, activations per call):
@@ -47,7 +43,6 @@ either path.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,32 +76,17 @@ def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return MKLDNN._reorder_linear_weight(weight.detach().contiguous(), rows)
 
 
-class OwnPacked(NamedTuple):
-    """A projection in `cpu_ops.encoder_linear`'s packed panels (AVX2 CPUs)."""
-    weight: torch.Tensor
-    bias: torch.Tensor
-
-
-def own_gemm(mel: torch.Tensor) -> bool:
-    """The projections run specwhisper's own GEMM (csrc/encoder_ops.h) for input like `mel`: on
-    an AVX2 CPU (not AVX-512, where oneDNN's kernels are twice as wide)."""
-    return cpu_ops.encoder_linear_usable(mel, 16)
-
-
 class PackedEncoder:
     """The encoder's weights in the fast path's layout (built from an `Encoder`)."""
 
-    def __init__(self, encoder, frames: int = 3000, int8: bool = False, own: bool = False):
+    def __init__(self, encoder, frames: int = 3000, int8: bool = False):
         positions = frames // 2
         blocks = encoder.layer_blocks(positions)
-        outs = [m.weight.shape[0] for m in encoder.modules() if isinstance(m, torch.nn.Linear)]
-        own = own and all(n % 16 == 0 for n in outs + [encoder.conv1.out_channels])  # the panels' width
-        floats = _pack_own if own else _pack_weights
-        pack = _pack_int8 if int8 else floats
+        pack = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
         # conv weight [O, C, 3] -> [O, 3*C]: kernel-major, channel-minor, as `im2col` lays columns
-        self.conv1 = floats(c1.weight.permute(0, 2, 1).reshape(c1.out_channels, -1), c1.bias, frames)
-        self.conv2 = floats(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), c2.bias, positions)
+        self.conv1 = (_pack(c1.weight.permute(0, 2, 1).reshape(c1.out_channels, -1), frames), c1.bias.detach())
+        self.conv2 = (_pack(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), positions), c2.bias.detach())
         self.positions = encoder.embed_positions.weight.detach()
         self.layers = []
         for layer, block in zip(encoder.layers, blocks):
@@ -165,10 +145,6 @@ def _pack_weights(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> tuple[
     return _pack(weight, rows), bias.detach()
 
 
-def _pack_own(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> OwnPacked:
-    return OwnPacked(cpu_ops.encoder_pack_weight(weight.detach().float()), bias.detach().float().contiguous())
-
-
 def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
     """fbgemm's prepacked int8 weights (per output row: q = round(w / s), s = max|w| / 127)."""
     w = weight.detach().float()
@@ -180,9 +156,7 @@ def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
 
 
 def _linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [T, in] @ weight.T + bias, weight in oneDNN's layout (or fbgemm's int8 one, or the own GEMM's)."""
-    if isinstance(packed, OwnPacked):
-        return cpu_ops.encoder_linear(x, packed.weight, packed.bias)
+    """x [T, in] @ weight.T + bias, weight in oneDNN's layout (or fbgemm's int8 one)."""
     if not isinstance(packed, tuple):
         return torch.ops.quantized.linear_dynamic(x, packed)
     weight, bias = packed
@@ -190,9 +164,7 @@ def _linear(x: torch.Tensor, packed) -> torch.Tensor:
 
 
 def _linear_add(x: torch.Tensor, residual: torch.Tensor, packed) -> torch.Tensor:
-    """residual + x @ weight.T + bias (oneDNN and the own GEMM: the add fused into the product)."""
-    if isinstance(packed, OwnPacked):
-        return cpu_ops.encoder_linear(x, packed.weight, packed.bias, residual)
+    """residual + x @ weight.T + bias (oneDNN: the add fused into the product)."""
     if not isinstance(packed, tuple):
         return torch.ops.quantized.linear_dynamic(x, packed).add_(residual)
     return MKLDNN._linear_pointwise.binary(x, residual, *packed, "add")
@@ -223,11 +195,11 @@ def parameter_key(encoder) -> tuple:
 
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
     """mel [B, n_mels, frames] -> features [B, frames // 2, d] by the fast path (check `usable`)."""
-    int8, own = encoder.int8_linears, own_gemm(mel)
-    key = (parameter_key(encoder), mel.shape[-1], int8, own, encoder.attention_block, encoder.local_last)
+    int8 = encoder.int8_linears
+    key = (parameter_key(encoder), mel.shape[-1], int8, encoder.attention_block, encoder.local_last)
     cached = encoder.__dict__.get("_packed_cpu")
     if cached is None or cached[0] != key:
-        cached = (key, PackedEncoder(encoder, mel.shape[-1], int8, own))
+        cached = (key, PackedEncoder(encoder, mel.shape[-1], int8))
         encoder.__dict__["_packed_cpu"] = cached
     with torch.no_grad():
         return cached[1](mel)
