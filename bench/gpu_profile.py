@@ -110,35 +110,41 @@ def decode_linear_section(device, dtype, clock, tiles=((32, 128, 4, 0), (32, 256
     return result
 
 
-def engine_profile(folder, device, dtype, tokens: int) -> dict:
-    """Where an end-to-end token goes beyond the step: `Engine.transcribe` of one random window
-    (target-only, the engine's defaults: graphs on CUDA), `tokens` new tokens, profiled after a
-    warm-up: the call's wall time and kernel time over its tokens (the encoder and the admission
-    included), and the top ops by self CPU time (the host's share), all per token."""
+def engine_profile(folder, device, dtype, tokens: int, batch: int = 1, decode_ops: bool = False) -> dict:
+    """Where an end-to-end token goes beyond the step: `Engine.transcribe` of `batch` random windows
+    (target-only, graphs on CUDA, torch's ops or `decode_ops`), `tokens` new tokens a row, timed
+    plain after a warm-up, then profiled: wall and kernel time per step (the encoder and the
+    admission included), the top ops by self CPU time (the host's share), the tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     from specwhisper import Engine
     from specwhisper.config import WhisperConfig
 
-    engine = Engine(folder, device=device, dtype=dtype, background=False)
-    mel = torch.randn(1, WhisperConfig.from_hf(folder).num_mel_bins, 3000, generator=torch.Generator().manual_seed(0))
+    engine = Engine(folder, device=device, dtype=dtype, background=False, decode_ops=decode_ops)
+    mel = torch.randn(batch, WhisperConfig.from_hf(folder).num_mel_bins, 3000,
+                      generator=torch.Generator().manual_seed(0))
 
     def call(n):
-        return engine.transcribe(mel, language="en", max_new_tokens=n)
+        result = engine.transcribe(mel, language="en", max_new_tokens=n)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return result if isinstance(result, list) else [result]
     call(tokens)
+    start = time.perf_counter()
+    result = call(tokens)
+    plain = time.perf_counter() - start
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        result = call(tokens)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        call(tokens)
         wall = time.perf_counter() - start
-    result = result[0] if isinstance(result, list) else result
-    n = max(len(result.tokens), 1)
+    n = max(max(len(r.tokens) for r in result), 1)  # steps of the call
     kernel_us = sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") if device.type == "cuda" else 0.0
     host = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])[:15]
-    return dict(tokens=n, wall_ms_per_token=wall / n * 1e3, kernel_ms_per_token=kernel_us / n / 1e3,
-                host_top=[dict(name=k[:80], self_ms_per_token=round(t / n / 1e3, 4)) for k, t in host])
+    return dict(batch=batch, decode_ops=decode_ops, steps=n, plain_ms_per_step=plain / n * 1e3,
+                profiled_ms_per_step=wall / n * 1e3, kernel_ms_per_step=kernel_us / n / 1e3,
+                tokens=[list(r.tokens) for r in result],
+                host_top=[dict(name=k[:80], self_ms_per_step=round(t / n / 1e3, 4)) for k, t in host])
 
 
 SECTIONS = ("steps", "decode_ops", "attention", "linear", "engine", "race", "compile")
@@ -273,17 +279,31 @@ def main(argv=None) -> None:
         out["decode_linear"] = decode_linear_section(device, dtype, clock, *([args.tiles] if args.tiles else []))
         save()
 
-    # one call end to end: what a token costs beyond the graphed step
+    # one call end to end: what a step costs beyond the graphed step, torch's ops and the decode ops
     if "engine" in args.sections:
-        try:
-            out["engine"] = engine_profile(folders["large-v3"], device, dtype, 8 if args.quick else 64)
-            e = out["engine"]
-            print(f"engine, target-only, B=1, a call over its {e['tokens']} tokens: {e['wall_ms_per_token']:.3f} "
-                  f"ms wall a token, {e['kernel_ms_per_token']:.3f} ms of kernels; top self CPU: "
-                  f"{e['host_top'][:6]}", flush=True)
-        except Exception as exc:
-            out["engine"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        save()
+        runs = out["engine"] = {}
+        for ops_on in (False, True) if device.type == "cuda" and dtype != torch.float32 else (False,):
+            for b in sorted({1, args.batch}):
+                name = f"{'decode ops' if ops_on else 'torch ops'} B={b}"
+                try:
+                    e = runs[name] = engine_profile(folders["large-v3"], device, dtype, 8 if args.quick else 64,
+                                                    b, ops_on)
+                    print(f"engine, target-only, {name}, {e['steps']} steps: {e['plain_ms_per_step']:.3f} ms a "
+                          f"step ({e['profiled_ms_per_step']:.3f} profiled), {e['kernel_ms_per_step']:.3f} ms of "
+                          f"kernels; top self CPU: {e['host_top'][:6]}", flush=True)
+                except Exception as exc:
+                    runs[name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                    print(f"engine {name}: {runs[name]['error']}", flush=True)
+                save()
+        for b in sorted({1, args.batch}):  # the decode ops' tokens against torch's (half precision may flip)
+            a, d = runs.get(f"torch ops B={b}", {}), runs.get(f"decode ops B={b}", {})
+            if "tokens" in a and "tokens" in d:
+                print(f"engine B={b}: decode ops' tokens equal torch ops' in {sum(x == y for x, y in zip(a['tokens'], d['tokens']))}"
+                      f" of {b} rows", flush=True)
+        one, many = runs.get("decode ops B=1", {}), runs.get(f"decode ops B={args.batch}", {})
+        if args.batch > 1 and "tokens" in one and "tokens" in many:
+            print(f"engine: decode ops, row 0 of B={args.batch} equals B=1: {many['tokens'][0] == one['tokens'][0]}",
+                  flush=True)
 
     # the race kernel of a sampled verify: B x (k+1) rows of the vocabulary
     from specwhisper.backends import ops

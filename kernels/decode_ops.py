@@ -39,8 +39,9 @@ BLOCK_M = 16  # rows per tile (the smallest tensor-core tile); more rows take mo
 LINEAR_TILE = (32, 256, 4, 1024)
 # The linear's splits and the attention's chunks added by the last program of each tile to finish
 # (a counter per tile) instead of a second kernel: the same bits, half the launches. Read at each
-# call; off until timed on a GPU (bench/gpu_profile.py's decode-ops section times both)
-SERIAL = False
+# call. On an H100 (bench/gpu_profile.py's decode-ops section, large-v3 float16, B = 1, graphed)
+# a one-token step 2.35 ms against 2.61 ms with the second kernels, 5 tokens 2.55 against 2.83 ms
+SERIAL = True
 _SQRT_HALF = tl.constexpr(1.0 / math.sqrt(2.0))
 
 

@@ -67,7 +67,7 @@ def test_interpreted_split_features_match_reference_and_keep_rows_independent(in
     opts = OPTIONS["all"]
     args = inputs(6, 257, 40, torch.float32, seed=11)
     run = lambda a: call(lambda *x, **kw: interpreted.decode_linear(  # noqa: E731
-        *x, block_n=16, block_k=32, split_k=split_k, **kw), a, opts)
+        *x, block_n=16, block_k=32, split_k=split_k, serial=False, **kw), a, opts)
     full = run(args)
     expected = call(interpreted.module.decode_linear_reference, args, opts)
     torch.testing.assert_close(full, expected, rtol=1e-4, atol=1e-4)

@@ -27,7 +27,7 @@ def test_decode_ops_compile(dtype):
     d, heads, dh = 256, 4, 64
     x = torch.randn(3, d, dtype=dtype)
     ln = (torch.ones(d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-5)
-    one, split, serial = {}, dict(block_k=64, split_k=64), dict(block_k=64, split_k=64, serial=True)
+    one, split, serial = {}, dict(block_k=64, split_k=64, serial=False), dict(block_k=64, split_k=64, serial=True)
     cases = [(3 * d, dict(layer_norm=ln), one), (4 * d, dict(layer_norm=ln, gelu=True), split),
              (d, dict(residual=torch.randn(3, d, dtype=dtype)), serial)]
     if dtype != torch.float32:
