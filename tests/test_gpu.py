@@ -121,18 +121,20 @@ def test_half_precision_engine_runs(v3):
         assert all(0.0 <= r.stats.acceptance_rate <= 1.0 for r in out)
 
 
-@pytest.mark.parametrize("sampling_rule", ["race", "rejection"])
-def test_graphed_engine_equals_eager_engine(multilingual, english, ckpt_dir, sampling_rule):
+@pytest.mark.parametrize("sampling_rule,decode_ops", [("race", False), ("rejection", False), ("race", True)],
+                         ids=["race", "rejection", "race-decode-ops"])
+def test_graphed_engine_equals_eager_engine(multilingual, english, ckpt_dir, sampling_rule, decode_ops):
     """The engine's captured draft and verify steps (padded buckets, one graph per key) give the
     eager engine's tokens and counts: greedy and sampled rows, a same-vocabulary and a mapped
-    draft, rows joining and leaving (3 slots: buckets 1, 2 and 4)."""
+    draft, rows joining and leaving (3 slots: buckets 1, 2 and 4); on torch's ops and on the
+    decode ops (their serial reductions' counters grown by the warm-up, before a capture)."""
     draft = ckpt_dir("cuda-draft", vocab_size=51865, n_mels=80, d_model=32, heads=2, seed=11)
     mel = torch.randn(5, 80, 3000, generator=torch.Generator().manual_seed(8))
     for folder in (draft, english):
         results = []
         for graphs in (False, True):
             engine = Engine(multilingual, draft=folder, device="cuda", dtype=torch.float32, max_batch=3,
-                            cuda_graphs=True, sampling=sampling_rule, background=False)
+                            cuda_graphs=True, sampling=sampling_rule, background=False, decode_ops=decode_ops)
             if not graphs:  # the same padded steps, run eagerly (same shapes: same cuBLAS kernels)
                 engine.runner.graphs.capturing, engine.runner.graphs.rehearse = False, True
             futures = [engine.submit(m, language="en", max_new_tokens=40 - 6 * i, num_draft_tokens=3,
