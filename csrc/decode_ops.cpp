@@ -1537,29 +1537,10 @@ float softmax_weights_scalar(float* scores, int64_t n, float best) {
   return total;
 }
 
-// exp, normalizer and value sum for D == 64 (the value accumulation in 8 registers, the same
-// per-element operations as the scalar form in softmax_values).
-template <typename T>
-__attribute__((target("avx2,fma,f16c"))) void softmax_values_avx2(float* scores, const T* v, int64_t vs, int64_t n,
-                                                                  float best, float* out) {
-  const float total = softmax_weights_avx2(scores, n, best);
-  int64_t j;
-  __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-  for (j = 0; j < n; ++j) {
-    const __m256 p = _mm256_set1_ps(scores[j]);
-    const T* vj = v + j * vs;
-    prefetch_value_row(vj);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vj + 8 * i), acc[i]);
-  }
-  const __m256 div = _mm256_set1_ps(total);
-  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], div));
-}
-
 // The value sums of G queries (D == 64) in one pass over the value rows per 32 dimensions (AVX-512),
 // so V is read once for all the queries of a long pass (a prompt): w[g][0..n[g]) are the softmax
 // weights of query g, total[g] their sum. Each output element is the same chain of fmas over j
-// ascending as in softmax_values_avx2, then the same division: the same bits.
+// ascending as in softmax_values_chunked_avx2, then the same division: the same bits.
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -1623,15 +1604,16 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_mu
   }
 }
 
-// Softmax-weighted value sums of Tq >= 2 queries (D == 64) through the value rows in chunks of
+// Softmax-weighted value sums of Tq >= 1 queries (D == 64) through the value rows in chunks of
 // kValueChunk: a chunk, still in L1, serves every query in turn (each query's 8 accumulators stored
 // between chunks, exactly), where each query's own pass re-read V (the first from memory, the
 // others from L2) and 16-dimension groups of queries re-read each row 4 times. Each output element
-// is the same chain of fmas over j ascending from zero, then the same division, as in
-// softmax_values_avx2: the same bits. Base's six cross-attention layers (1500 keys), two Zen 3
-// cores, alternated in one process against those passes: 2 / 3 / 5 / 9 queries 0.89 / 0.84 /
-// 0.82 / 0.83 of their time (5: 3.18 -> 2.60 ms), 16 / 40 / 140 queries 0.85 of the groups' time.
-// Chunks of 128 rows measured 0.85-0.87; prefetching a chunk ahead into L2 the same.
+// is the same chain of fmas over j ascending from zero, then the same division, as the scalar form
+// in softmax_values: the same bits for a query alone or among others. Base's six cross-attention
+// layers (1500 keys), two Zen 3 cores, alternated in one process against a pass per query: 2 / 3 /
+// 5 / 9 queries 0.89 / 0.84 / 0.82 / 0.83 of their time (5: 3.18 -> 2.60 ms), 16 / 40 / 140 queries
+// 0.85 of the groups' time; one query 0.997 of its own pass's time (median of five runs), so it
+// takes the chunks too. Chunks of 128 rows measured 0.85-0.87; prefetching a chunk ahead the same.
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) void softmax_values_chunked_avx2(float* scores, int64_t ld, const int64_t* n,
                                                                           int64_t Tq, const T* v, int64_t vs,
@@ -1667,7 +1649,8 @@ __attribute__((target("avx2,fma,f16c"))) void softmax_values_chunked_avx2(float*
   }
 }
 
-// Softmax-weighted sum of values for one query whose scores[0..n) are computed.
+// Softmax-weighted sum of values for one query whose scores[0..n) are computed (any D; the scalar
+// level, and the form whose bits softmax_values_chunked_avx2 keeps for D == 64).
 template <typename T>
 void softmax_values(float* scores, const T* v, int64_t vs, int64_t n, int64_t D, bool vec, float* out) {
   float best = -INFINITY;
@@ -1675,10 +1658,6 @@ void softmax_values(float* scores, const T* v, int64_t vs, int64_t n, int64_t D,
     best = max_avx2(scores, n);
   } else {
     for (int64_t j = 0; j < n; ++j) best = std::max(best, scores[j]);
-  }
-  if (vec && D == 64) {
-    softmax_values_avx2(scores, v, vs, n, best, out);
-    return;
   }
   const float total = vec ? softmax_weights_avx2(scores, n, best) : softmax_weights_scalar(scores, n, best);
   for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
@@ -1726,11 +1705,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       // 5 queries 2.60 -> 1.95; held to AVX2 1.32 -> 1.22, 2.21 -> 1.84). A score is one dot
       // product whatever the tiling
       matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
-      // several queries: one pass over V in chunks that serve them all (softmax_values_chunked_avx2),
-      // or with AVX-512 and more than kOwnValuePass queries (a prompt pass) the 32-dimension groups
+      // one pass over V in chunks that serve every query (softmax_values_chunked_avx2), or with
+      // AVX-512 and more than kOwnValuePass queries (a prompt pass) the 32-dimension groups
       if (vec && D == 64 && Tq > kOwnValuePass && vs[3] == 1 && vector_level() >= 2) {
         softmax_values_multi512(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
-      } else if (vec && D == 64 && Tq >= 2 && vs[3] == 1) {
+      } else if (vec && D == 64) {
         softmax_values_chunked_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
       } else {
         for (int64_t t = 0; t < Tq; ++t)
