@@ -46,13 +46,16 @@ def test_gpu_profile_smoke_runs_on_cpu(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"), "--models", str(tmp_path / "models"),
                           "--out", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32", "--quick",
-                          "--widths", "1", "2", "--no-compile"], capture_output=True, text=True, env=env, timeout=600)
+                          "--widths", "1", "2", "--batch", "2", "--no-compile"], capture_output=True, text=True, env=env,
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     profile = json.loads((tmp_path / "out" / "profile.json").read_text())
     for width in ("1", "2"):
         row = profile["widths"][width]
         assert row["eager_ms"] > 0 and row["graphed_ms"] > 0 and row["profile"]["top"], row
-    assert profile["engine"]["tokens"] > 0 and profile["engine"]["wall_ms_per_token"] > 0, profile["engine"]
+    for b in (1, 2):  # the engine end to end at B = 1 and --batch (torch's ops: the decode ops are CUDA's)
+        run = profile["engine"][f"torch ops B={b}"]
+        assert run["steps"] > 0 and run["plain_ms_per_step"] > 0 and len(run["tokens"]) == b, run
 
 
 def test_gpu_suite_selects_every_file_with_cuda_tests():
