@@ -1706,8 +1706,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       // product whatever the tiling
       matmul_range(qf.data(), Tq, D, kbh, 0, n_max, scores.data(), n_max, vec);
       // one pass over V in chunks that serve every query (softmax_values_chunked_avx2), or with
-      // AVX-512 and more than kOwnValuePass queries (a prompt pass) the 32-dimension groups
-      if (vec && D == 64 && Tq > kOwnValuePass && vs[3] == 1 && vector_level() >= 2) {
+      // AVX-512 and more than kOwnValuePass queries (a prompt pass) the 32-dimension groups (both
+      // read contiguous value rows: decode_attention checks the caches' last stride)
+      if (vec && D == 64 && Tq > kOwnValuePass && vector_level() >= 2) {
         softmax_values_multi512(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
       } else if (vec && D == 64) {
         softmax_values_chunked_avx2(scores.data(), n_max, np + b * Tq, Tq, vbh, vs[2], of.data());
