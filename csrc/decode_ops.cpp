@@ -307,22 +307,50 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  // float16 weights in two-row halves (halves_tile, 4-5 input rows): both weight registers first,
+  // then one input row at a time held in a register, where GCC otherwise reloads every row's
+  // features once per weight row as an fma's memory operand (12 loads for 10 fmas, 7 this way),
+  // and the sums 8 at a time (hsum8_many). The same fmas in the same order, the same sums: the
+  // same bits. Base's blocks are float16 (Whisper's checkpoints); 2 threads of a Zen 3 EPYC, a
+  // standalone copy of these tiles over 64 MB of weights (cold), alternated in one process: 5 rows
+  // against K = 512 7.98 -> 6.94 ms (1 row 3.34), K = 2048 5.19 -> 4.82; 4 rows 5.98 -> 5.33,
+  // 6 rows 8.15 -> 7.19. float32 weights measured 3-6% slower this way, 2-row and 3-row tiles
+  // slower too: they keep the loop below.
+  constexpr bool row_outer = NR == 2 && std::is_same<W, f16>::value;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     if (PF && (k * sizeof(W)) % 64 == 0)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + next + j * ws + k), kStreamHint);
-    // the rows' features, then one weight register at a time: 12 accumulators + 3 + 1 = 16
-    // registers for 3 rows (4 weight registers made 17 and GCC kept an accumulator on the stack,
-    // a store-to-load round trip in its chain every step)
-    __m256 xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
-    for (int j = 0; j < NR; ++j) {
-      const __m256 wv = load8(w + j * ws + k);
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+    if (row_outer) {
+      __m256 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ws + k);
+      for (int i = 0; i < MR; ++i) {
+        __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+        asm("" : "+x"(xv));  // kept in a register, not folded into each fma as a memory operand
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+      }
+    } else {
+      // the rows' features, then one weight register at a time: 12 accumulators + 3 + 1 = 16
+      // registers for 3 rows (4 weight registers made 17 and GCC kept an accumulator on the stack,
+      // a store-to-load round trip in its chain every step)
+      __m256 xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) {
+        const __m256 wv = load8(w + j * ws + k);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+      }
     }
   }
   float sums[MR][NR];
   int i = 0;
+  if (row_outer && MR * NR >= 8) {  // the first 8 sums at once (rows 0-3), then row 4's alone
+    // from a copy: handing hsum8_many acc's own address made GCC store all 10 accumulators to
+    // the stack on every step of the loop above (1.4-1.6x slower)
+    __m256 first[8];
+    for (int a = 0; a < 8; ++a) first[a] = acc[a / NR][a % NR];
+    hsum8_many<8>(first, &sums[0][0]);
+    i = 8 / NR;
+  }
   if (NR == 4)  // two rows' 8 sums at once, then a lone row's 4
     for (; i < MR; i += 2) {
       if (i + 1 < MR) hsum8_many<8>(&acc[0][0] + i * NR, &sums[0][0] + i * NR);  // rows i, i + 1
@@ -778,8 +806,11 @@ __attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_
 // q16_block's products for one half of the block (rows 4h..4h+3, the second 32 bytes of each
 // 64-byte step for h = 1) and MR input rows: 2 accumulators a row instead of 4, so one widening of
 // the weights serves 4 rows, not 3, in one group (a verify pass of 4 rows: 1.35 -> 1.02 ms for
-// base's head held to AVX2). GCC spills accumulators from MR = 5 on (5 rows in one group cost 1.4x
-// 4 rows), so q16_rows makes groups of at most 4.
+// base's head held to AVX2). GCC keeps some of MR = 5's accumulators on the stack, yet 5 rows in one
+// group beat 3 + 2 on a Zen 3 EPYC (2 threads, base's real head, alternated in one process: 3.67
+// -> 3.22 and 3.96 -> 3.55 ms, 9 rows as 5 + 4 against 3 + 3 + 3 0.95-0.99x), where a Zen 4 held to
+// AVX2 had measured 5 rows in one group at 1.4x 4 rows; q16_rows makes groups of at most 5. Ordering
+// each row's two updates (an empty asm on its accumulators) made 5 rows 1.14x slower.
 template <int MR, bool PF>
 __attribute__((target("avx2,fma,f16c"))) void q16_half(const int16_t* x, int64_t K, const int8_t* blk, int h, float* out,
                                                        int64_t ldo, const int8_t* next) {
@@ -805,7 +836,7 @@ __attribute__((target("avx2,fma,f16c"))) void q16_half(const int16_t* x, int64_t
     }
 }
 
-// MR = rows (1..4) input rows against both halves of one int8 block; PF: prefetch the next block.
+// MR = rows (1..5) input rows against both halves of one int8 block; PF: prefetch the next block.
 template <bool PF>
 __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int16_t* x, int64_t K, const int8_t* blk,
                                                          float* out, int64_t ldo, const int8_t* next) {
@@ -816,7 +847,8 @@ __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int
       case 1: Q16_HALF(1); break;
       case 2: Q16_HALF(2); break;
       case 3: Q16_HALF(3); break;
-      default: Q16_HALF(4); break;
+      case 4: Q16_HALF(4); break;
+      default: Q16_HALF(5); break;
     }
 #undef Q16_HALF
   }
@@ -824,13 +856,13 @@ __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int
 
 // Every row against one int8 block: 1 or 2 rows in one pass over the block (q16_block: the
 // one-row step's path; the halves measured slower there), 3 and more in balanced groups of at most
-// 4 over each half (5 rows: 3 + 2, 9: 3 + 3 + 3); the first group prefetches the next block.
+// 5 over each half (5 rows: one group, 6: 3 + 3, 9: 5 + 4); the first group prefetches the next block.
 // Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.02 1.39 1.57 2.35 ms
 // (ScreenedHead.argmax timed alone on 1..9 rows). The products are exact integer sums: the same bits in any grouping.
 __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
                                                        const int8_t* next, float* out, int64_t ldo) {
   if (M > 2) {
-    const int64_t groups = (M + 3) / 4, base = M / groups, extra = M % groups;
+    const int64_t groups = (M + 4) / 5, base = M / groups, extra = M % groups;
     for (int64_t g = 0, m = 0; g < groups; m += base + (g < extra), ++g) {
       const int64_t rows = base + (g < extra);
       if (m == 0) q16_halves<true>(rows, x, K, blk, out, ldo, next);

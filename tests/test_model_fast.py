@@ -71,7 +71,7 @@ def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
                     assert torch.equal(cpu_ops.linear(x, weight[a:b].contiguous()), full[:, a:b]), (M, level, a, b)
 
 
-@pytest.mark.parametrize("K", [3, 64, 100, 512])  # 3, 100: scalar tails after the groups of 8
+@pytest.mark.parametrize("K", [3, 64, 100, 300, 512])  # 3, 100, 300: scalar tails after the groups of 8
 def test_float16_weights_give_the_bits_of_their_float32_values(K):
     """float16 weights are widened exactly where they are read (F16C; AVX-512; the scalar twin):
     every output equals, bit for bit, the product with the same values stored in float32, at
