@@ -311,11 +311,11 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
   // then one input row at a time held in a register, where GCC otherwise reloads every row's
   // features once per weight row as an fma's memory operand (12 loads for 10 fmas, 7 this way),
   // and the sums 8 at a time (hsum8_many). The same fmas in the same order, the same sums: the
-  // same bits. Base's blocks are float16 (Whisper's checkpoints); 2 threads of a Zen 3 EPYC, a
-  // standalone copy of these tiles over 64 MB of weights (cold), alternated in one process: 5 rows
-  // against K = 512 7.98 -> 6.94 ms (1 row 3.34), K = 2048 5.19 -> 4.82; 4 rows 5.98 -> 5.33,
-  // 6 rows 8.15 -> 7.19. float32 weights measured 3-6% slower this way, 2-row and 3-row tiles
-  // slower too: they keep the loop below.
+  // same bits. Base's blocks are float16 (Whisper's checkpoints); 2 threads of a Zen 3 EPYC, its 36
+  // linears (real weights, cold), alternated in one process: 4 / 5 / 6 / 9 rows 0.93 / 0.88 / 0.90 /
+  // 0.86 of their time (5 rows 3.56 -> 3.21 ms, 1 row 2.23), the whole step at 5 rows 0.96. In a
+  // standalone copy of these tiles (64 MB, cold) float32 weights ran 3-6% slower this way, and
+  // 2-row and 3-row tiles slower too: they keep the loop below.
   constexpr bool row_outer = NR == 2 && std::is_same<W, f16>::value;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
