@@ -1215,6 +1215,13 @@ int32_t q4_dot_scalar(const int8_t* x, int64_t K, const uint8_t* blk, int j) {
 // 32-byte load holds rows 2jj and 2jj+1 (16 bytes each); maddubs multiplies the unsigned nibbles
 // by the row's signed features (|pair sum| <= 2 * 15 * 127: no saturation), madd sums pairs into
 // int32 lanes 0-3 (row 2jj) and 4-7 (row 2jj+1).
+// q4_block prefetches the copy this many bytes ahead of its reads (into L1): base's distilled draft's
+// head (51865 x 512, 13 MB), 2 threads of a Zen 3 EPYC, alternated in one process: 1 row 0.90 -> 0.76
+// ms (0.78-0.91 of the time over four runs), 2 rows 0.91-1.01, 4 rows 0.95; 8 KB ahead or into L2
+// the same. Without it a thread's chunk of blocks is one sequential stream the hardware prefetchers
+// alone do not keep ahead of (interleaving the thread's chunks block by block instead: 1.27x slower).
+constexpr int64_t kQ4Prefetch = 4096;
+
 template <int MR>
 __attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
                                                        int64_t ldo) {
@@ -1223,7 +1230,9 @@ __attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
   for (int64_t c = 0; c < K / kQ4Chunk; ++c) {
-    const uint8_t* p = blk + c * kQB * 16;
+    const uint8_t* p = blk + c * kQB * 16;  // 128 bytes: two cache lines
+    _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch + 64), _MM_HINT_T0);
     __m256i lo_x[MR], hi_x[MR];
     for (int i = 0; i < MR; ++i) {
       const int8_t* xc = x + i * K + c * kQ4Chunk;
