@@ -1267,9 +1267,14 @@ __attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t 
 void q4_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
   int64_t m = 0;
   if (vec) {
-    if (N == 1) return q4_block<1, true>(x, K, blk, products, kQB);
-    for (; m + 2 <= N; m += 2)
-      m == 0 ? q4_block<2, true>(x, K, blk, products, kQB) : q4_block<2, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    if (N == 1) {
+      q4_block<1, true>(x, K, blk, products, kQB);
+      return;
+    }
+    for (; m + 2 <= N; m += 2) {
+      if (m == 0) q4_block<2, true>(x, K, blk, products, kQB);
+      else q4_block<2, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    }
     if (m < N) q4_block<1, false>(x + m * K, K, blk, products + m * kQB, kQB);
   } else {
     for (; m < N; ++m)
