@@ -56,7 +56,8 @@ else
 fi
 
 stage models 120 "$PY" bench/gpu_models.py "$OUT/models" "${MODEL_FLAGS[@]}"
-stage pytest 240 "$PY" -m pytest -m cuda -v -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT/junit-cuda.xml" "${TESTS[@]}"
+# GPU_SUITE_PYTEST_ARGS: e.g. "-n 8 --timeout 120" (pytest-xdist / pytest-timeout, where installed)
+stage pytest 240 "$PY" -m pytest -m cuda ${GPU_SUITE_PYTEST_ARGS:-} -v -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT/junit-cuda.xml" "${TESTS[@]}"
 # GPU_SUITE_PROFILE=1: also bench/gpu_profile.py (fused linears, attention kernels, race kernels;
 # no torch.compile) into OUT_DIR/profile.json, before the benchmark
 if [ "${GPU_SUITE_PROFILE:-0}" = "1" ] && [ "$QUICK" != "--quick" ]; then
