@@ -380,22 +380,24 @@ class Bench:
         self.free_models()  # the engines load their own copies
         graphed = self.device.type == "cuda"  # the engine's default: draft and verify steps as CUDA graphs
         N, k = self.args.max_new_tokens, self.args.k
-        # name: (draft, k, cuda_graphs, dtype, the target-only row it must equal); the eager row
-        # shows what the graphs buy end to end. In half precision a verify pass of k + 1 positions
-        # can round a near tie differently from a one-token step, so the float32 rows show
-        # exactness on the same weights (README, GPU)
-        systems = {"target-only": (None, None, graphed, self.dtype, "target-only"),
-                   f"self-draft k={k}": (folder, k, graphed, self.dtype, "target-only"),
-                   "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed, self.dtype, "target-only")}
+        # name: (draft, k, cuda_graphs, dtype, the target-only row it must equal, decode_ops); the
+        # eager row shows what the graphs buy end to end. decode_ops None is the engine's default:
+        # the Triton decode ops in half precision on CUDA (rows round independently of the pass's
+        # shape, so speculative half precision is token-exact); the torch-ops rows show what torch's
+        # kernels give, where a verify pass of k + 1 positions can round a near tie differently from
+        # a one-token step; the float32 rows show exactness on the same weights (README, GPU)
+        systems = {"target-only": (None, None, graphed, self.dtype, "target-only", None),
+                   f"self-draft k={k}": (folder, k, graphed, self.dtype, "target-only", None),
+                   "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed, self.dtype, "target-only", None)}
         if graphed:
-            systems["target-only eager"] = (None, None, False, self.dtype, "target-only")
-            # the Triton decode ops (Engine(decode_ops=True)): rows independent, so half precision
-            # is meant to be token-exact across pass shapes too
-            systems["target-only decode-ops"] = (None, None, graphed, self.dtype, "target-only decode-ops", True)
-            systems[f"self-draft k={k} decode-ops"] = (folder, k, graphed, self.dtype, "target-only decode-ops", True)
+            systems["target-only eager"] = (None, None, False, self.dtype, "target-only", None)
+            systems["target-only torch-ops"] = (None, None, graphed, self.dtype, "target-only torch-ops", False)
+            systems[f"self-draft k={k} torch-ops"] = (folder, k, graphed, self.dtype, "target-only torch-ops", False)
         if self.dtype != torch.float32:
-            systems["target-only float32"] = (None, None, graphed, torch.float32, "target-only float32")
-            systems[f"self-draft k={k} float32"] = (folder, k, graphed, torch.float32, "target-only float32")
+            systems["target-only float32"] = (None, None, graphed, torch.float32, "target-only float32", None)
+            systems[f"self-draft k={k} float32"] = (folder, k, graphed, torch.float32, "target-only float32", None)
+        if self.args.e2e_systems:  # a chosen few (a short device call)
+            systems = {name: v for name, v in systems.items() if name in self.args.e2e_systems}
         out = dict(max_new_tokens=N, cuda_graphs=graphed, systems={})
         try:
             Engine(folder, draft=self.folders["tiny"], device=self.device, dtype=self.dtype)
@@ -403,11 +405,11 @@ class Bench:
         except ValueError as exc:
             out["tiny_draft"] = f"refused: {exc}"
         tokens_of = {}
-        for name, (draft, k_draft, cuda_graphs, dtype, reference, *fused) in systems.items():
+        for name, (draft, k_draft, cuda_graphs, dtype, reference, decode_ops) in systems.items():
             out["systems"][name] = {}
             try:
                 engine = Engine(folder, draft=draft, device=self.device, dtype=dtype, cuda_graphs=cuda_graphs,
-                                decode_ops=bool(fused))
+                                decode_ops=decode_ops)
                 self.e2e_rows(engine, name, reference, out["systems"][name], tokens_of, n_mels, N, k_draft)
             except Exception as exc:  # an experimental system must not cost the others
                 out["systems"][name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -434,7 +436,8 @@ class Bench:
                 acceptance=statistics.mean(r.stats.acceptance_rate for r in results),
                 tokens_per_pass=stats.tokens_per_pass,
                 same_tokens_as_target_only=tokens_of[(name, batch)] == tokens_of.get((reference, batch)),
-                graph_keys=len(engine.runner.graphs.keys()) if engine.runner.graphs is not None else 0)
+                graph_keys=len(engine.runner.graphs.keys()) if engine.runner.graphs is not None else 0,
+                decode_ops=engine.decode_ops)
 
     def rtfx(self) -> dict:
         """Many concurrent long-form requests in one engine (continuous batching): audio seconds
@@ -451,30 +454,44 @@ class Bench:
         g = torch.Generator().manual_seed(11)
         mels = [torch.randn(n_mels, seconds * 100, generator=g) for _ in range(requests)]
         out = dict(requests=requests, seconds_each=seconds, cuda_graphs=graphed, systems={})
-        for name, (draft, k) in {"target-only": (None, None), f"self-draft k={self.args.k}": (folder, self.args.k)}.items():
+        k = self.args.k
+        # name: (draft, k, decode_ops); None: the engine's default (the decode ops in half precision on CUDA)
+        systems = {"target-only": (None, None, None), f"self-draft k={k}": (folder, k, None)}
+        if graphed:
+            systems["target-only torch-ops"] = (None, None, False)
+        tokens_of = {}
+        for name, (draft, k_draft, decode_ops) in systems.items():
             engine = Engine(folder, draft=draft, device=self.device, dtype=self.dtype, max_batch=requests,
-                            cuda_graphs=graphed)
+                            cuda_graphs=graphed, decode_ops=decode_ops)
 
             # the CPU smoke run (toy weights, random audio: every window runs to the token limit)
             # caps each window's tokens: 44 -> 3.5 s for the section on an AVX2-only EPYC
             cap = dict(max_new_tokens=self.args.max_new_tokens) if self.args.quick else {}
 
-            def call(engine=engine, k=k):
+            def call(engine=engine, k=k_draft):
                 return engine.transcribe(mels, language="en", temperature=(0.0,), num_draft_tokens=k,
                                          condition_on_previous_text=False, **cap)
             call()
-            wall, results = self.clock_call(call)
+            iterations, repeats = engine.iterations, 1 if self.args.quick else self.args.rtfx_repeats
+            wall, results = self.clock_call(call, repeats=repeats)
+            iterations = (engine.iterations - iterations) / repeats
             tokens = sum(len(r.tokens) for r in results)
+            tokens_of[name] = [r.tokens for r in results]
+            reference = "target-only torch-ops" if decode_ops is False else "target-only"
             out["systems"][name] = dict(wall_s=wall, rtfx=requests * seconds / wall, tokens=tokens,
-                                        tokens_per_s=tokens / wall)
+                                        tokens_per_s=tokens / wall, decode_ops=engine.decode_ops,
+                                        iterations=iterations, ms_per_iteration=wall / iterations * 1e3,
+                                        same_tokens_as_target_only=tokens_of[name] == tokens_of.get(reference))
+            if name == "target-only" and graphed:  # where the host's time goes, for the next change
+                out["host_profile"] = host_profile(call)
             del engine
             self.free_models()
         return out
 
-    def clock_call(self, fn):
+    def clock_call(self, fn, repeats: int = 3):
         """(median seconds, last result) of a whole call."""
         spans, result = [], None
-        for _ in range(1 if self.args.quick else 3):
+        for _ in range(1 if self.args.quick else repeats):
             self.clock.sync()
             start = time.perf_counter()
             result = fn()
@@ -512,6 +529,7 @@ class Bench:
         if self.args.sections:  # a chosen few (a second call for what a first one's budget skipped)
             for name in self.args.sections:
                 self.section(name, getattr(self, name))
+                self.save()  # what a killed run leaves: every section finished so far
             self.results["seconds"] = time.perf_counter() - self.started
             self.save()
             return self.results
@@ -529,6 +547,21 @@ class Bench:
         self.results["seconds"] = time.perf_counter() - self.started
         self.save()
         return self.results
+
+
+def host_profile(fn, top: int = 25) -> list[dict]:
+    """The `top` functions by own (host) time over one call of fn, by cProfile."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [dict(function=f"{Path(file).name}:{line}({name})", calls=calls, own_s=round(own, 4), cumulative_s=round(cum, 4))
+            for (file, line, name), (_, calls, own, cum, _) in rows]
 
 
 def accept_op(device):
@@ -584,6 +617,9 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--tie-trials", type=int, default=64, help="random prefixes per verify width (near ties)")
     ap.add_argument("--hf-timeout", type=float, default=200, help="seconds for each transformers child")
     ap.add_argument("--no-compile", action="store_true", help="skip transformers static cache + torch.compile")
+    ap.add_argument("--e2e-systems", nargs="+", default=None,
+                    help="only these rows of the e2e section, e.g. target-only 'self-draft k=4'")
+    ap.add_argument("--rtfx-repeats", type=int, default=3, help="timed calls per rtfx system (median)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
                     help="run only these sections (no budget skips), e.g. rtfx hf")
     ap.add_argument("--budget", type=float, default=330, help="seconds; later sections are skipped past it")

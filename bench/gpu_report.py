@@ -154,10 +154,18 @@ def markdown(r: dict) -> str:
         lines += [""] if len(ok) < len(e2e["systems"]) else []
     rtfx = r.get("rtfx")
     if rtfx:
-        rows = [[name, t["rtfx"], t["wall_s"], t["tokens"], t["tokens_per_s"]] for name, t in rtfx["systems"].items()]
+        rows = [[name, t["rtfx"], t["wall_s"], t["tokens"], t["tokens_per_s"], t.get("iterations"),
+                 t.get("ms_per_iteration"), t.get("decode_ops"), t.get("same_tokens_as_target_only")]
+                for name, t in rtfx["systems"].items()]
         lines += [f"## Concurrent long-form: {rtfx['requests']} requests of {rtfx['seconds_each']} s in one engine "
                   "(random mels, greedy, no previous text)", ""]
-        lines += table(["system", "RTFx (audio s per wall s)", "wall s", "tokens", "tokens/s"], rows) + [""]
+        lines += table(["system", "RTFx (audio s per wall s)", "wall s", "tokens", "tokens/s", "iterations",
+                        "ms / iteration", "decode ops", "= target-only"], rows) + [""]
+        if rtfx.get("host_profile"):
+            lines += ["Host time of one target-only call (cProfile, by own time):", ""]
+            lines += table(["function", "calls", "own s", "cumulative s"],
+                           [[p["function"], p["calls"], p["own_s"], p["cumulative_s"]] for p in rtfx["host_profile"][:15]])
+            lines += [""]
     modeled = r.get("modeled")
     if modeled:
         lines += ["## Modeled speculative speedup over graphed target-only", "",

@@ -454,3 +454,45 @@ def test_interpreted_engine_on_decode_ops_speculative_equals_target_only(interpr
         e = engine(d)
         got = [r.tokens for r in e.transcribe(mel, language="en", max_new_tokens=6, num_draft_tokens=3)]
         assert got == expected, d.name
+
+
+def test_engine_default_falls_back_to_torch_ops_with_a_warning(tmp_path, monkeypatch):
+    """Engine(decode_ops=None) where the backend would fuse but the model cannot be tiled (head
+    size 24): a warning naming the reason, torch's ops, and the engine decodes."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+    from specwhisper.backends.cpu import CpuBackend
+
+    folder = make_checkpoint(tmp_path / "ckpt", d_model=72, heads=3, decoder_layers=1, encoder_layers=1)
+    assert Engine(folder, device="cpu").decode_ops is False  # off the GPU: never
+    monkeypatch.setattr(CpuBackend, "fuses_decode_ops", lambda self, dtype: True)
+    with pytest.warns(UserWarning, match="power of two >= 16.*the target decodes on torch's ops"):
+        engine = Engine(folder, device="cpu")
+    assert engine.decode_ops is False and engine.target.model.decoder.fused_ops is None
+    mel = torch.randn(80, 3000, generator=torch.Generator().manual_seed(0))
+    assert len(engine.transcribe(mel, language="en", max_new_tokens=4).tokens) > 0
+
+
+@on_cuda
+def test_cuda_engine_defaults_to_decode_ops_in_half_precision_and_longform_is_token_exact(tmp_path):
+    """Engine() on CUDA in float16 runs the decode ops (float32: torch's ops); long-form audio (two
+    windows a request, three requests decoded together, each window conditioned on the last) gives
+    target-only's tokens with a self draft and another draft."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    target = make_checkpoint(tmp_path / "target", d_model=256, decoder_layers=2, heads=4, init_std=0.05)
+    draft = make_checkpoint(tmp_path / "draft", d_model=256, decoder_layers=1, heads=4, init_std=0.05,
+                            encoder_from=target)
+    assert Engine(target, device="cuda", dtype=torch.float32).decode_ops is False
+    g = torch.Generator().manual_seed(1)
+    mels = [torch.randn(80, 4500, generator=g) for _ in range(3)]  # 45 s each
+    plain = Engine(target, device="cuda", dtype=torch.float16)
+    assert plain.decode_ops is True and plain.target.model.decoder.fused_ops is not None
+    expected = [r.tokens for r in plain.transcribe(mels, language="en", temperature=(0.0,))]
+    assert all(len(t) > 10 for t in expected)
+    for d in (target, draft):
+        engine = Engine(target, draft=d, device="cuda", dtype=torch.float16)
+        assert engine.decode_ops is True
+        got = [r.tokens for r in engine.transcribe(mels, language="en", temperature=(0.0,), num_draft_tokens=3)]
+        assert got == expected, d.name

@@ -43,6 +43,11 @@ class Backend:
         (`head.ScreenedHead`: exact, a quarter of float32's bytes)."""
         return False
 
+    def fuses_decode_ops(self, dtype: torch.dtype) -> bool:
+        """Engine(decode_ops=None): whether the decoders run on the Triton decode ops
+        (`Whisper.fuse_decode_ops`), whose rows round independently of the pass's shape."""
+        return False
+
     # ---------------------------------------------------------------- drafts
     def compacts_drafts(self, dtype: torch.dtype) -> bool:
         """Engine(compact_draft=None): whether a draft (not a self draft) of `dtype` is compacted."""

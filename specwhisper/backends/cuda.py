@@ -1,5 +1,6 @@
-"""The GPU's decisions: float16 by default, the graph-shaped steps captured as CUDA graphs (no
-host read inside a step, so no trimming), windows encoded four at a time, iterations timed with
+"""The GPU's decisions: float16 by default, the decoders on the Triton decode ops in half
+precision, the graph-shaped steps captured as CUDA graphs (no host read inside a step, so no
+trimming), windows encoded four at a time, iterations timed with
 CUDA events (read after the iteration's one host read), the adaptive k from its priors."""
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ class CudaBackend(Backend):
     trim_width = False  # a host read is a sync: fixed shapes instead
     encoder_batch = 4  # always this shape (padded): one window's features never depend on the others
     calibrates = False
+
+    def fuses_decode_ops(self, dtype: torch.dtype) -> bool:
+        # half precision: torch's kernels round a row by the pass's shape, so a verify pass can flip
+        # a near tie that a one-token step does not; the decode ops make it token-exact (README, GPU)
+        return dtype in (torch.float16, torch.bfloat16)
 
     def clock(self) -> EventClock:
         return EventClock()

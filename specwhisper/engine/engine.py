@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import random
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -41,6 +42,19 @@ def check_sample_len(max_new_tokens: int | None) -> None:
         raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most {SAMPLE_LEN}), "
                          f"got {max_new_tokens}")
 
+def fuse_or_warn(model, role: str) -> bool:
+    """`model.fuse_decode_ops()` where it can run (Triton importable, a power-of-two head size),
+    else a warning and torch's ops: whether it fused."""
+    try:
+        model.fuse_decode_ops()
+        return True
+    except (RuntimeError, ValueError) as exc:
+        note = (" (in half precision a verify pass can then round a near-tied argmax differently from a "
+                "one-token step: speculative tokens may differ from target-only's)" if role == "target" else "")
+        warnings.warn(f"{exc}: the {role} decodes on torch's ops{note}", stacklevel=3)
+        return False
+
+
 class Engine:
     """Exact Whisper decoding, speculative when a draft is given.
 
@@ -51,7 +65,7 @@ class Engine:
     def __init__(self, target, draft=None, device=None, dtype=None, shared_encoder: bool | None = None,
                  draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
                  compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race",
-                 decode_ops: bool = False):
+                 decode_ops: bool | None = None):
         """`dtype`: None is float32 on a CPU and float16 on CUDA. In float16/bfloat16 on a GPU a
         verify pass of k + 1 positions (or another batch bucket) can round a near-tied argmax
         differently from a one-token step, so speculative tokens can differ from target-only's
@@ -78,12 +92,12 @@ class Engine:
         race winner (a seed gives the same tokens whatever k, batch or draft), "rejection" runs
         Leviathan et al.'s acceptance test and residual resampling (rejection.py: accepts a little
         more; tokens then depend on the draft); both sample exactly the target's distribution.
-        `decode_ops` (opt-in, CUDA only): the decoders' layers and heads on the Triton decode ops
+        `decode_ops` (CUDA only): the decoders' layers on the Triton decode ops
         (`Whisper.fuse_decode_ops`: fused linears, chunked attention, each row's and query's bits
         independent of the others, so that half precision is token-exact too: on an H100 a float16
         self draft's tokens equalled target-only's at B = 1 and 8, where torch's ops flip near
-        ties, and with the serial reductions a large-v3 step ran 4.02 / 7.91 ms end to end at
-        B = 1 / 8 against 4.29 / 8.22 on torch's ops, one measurement; README, GPU)."""
+        ties); None: on for float16/bfloat16 on CUDA where Triton compiles them (else torch's ops,
+        with a warning), off elsewhere; large-v3's graphed step on an H100 2.35 / 3.27 ms at B = 1 / 8 against 2.80 / 3.91 on torch's ops (README, GPU)."""
         self.device = torch.device(device) if device is not None else default_device()
         self.backend = backend_for(self.device)  # every device-dependent decision (backends/)
         if dtype is None:
@@ -98,13 +112,16 @@ class Engine:
             raise ValueError(f"decode_ops=True runs Triton kernels on a CUDA device, not on {self.device}")
         self.dtype = dtype
         self.target = LoadedModel.load(target, self.device, dtype)
-        if decode_ops:
+        if decode_ops is None:
+            decode_ops = self.backend.fuses_decode_ops(dtype) and fuse_or_warn(self.target.model, "target")
+        elif decode_ops:
             self.target.model.fuse_decode_ops()
+        self.decode_ops = decode_ops
         self.drafter = None
         if draft is not None:
             draft_model = LoadedModel.load(draft, self.device, dtype)
-            if decode_ops:
-                draft_model.model.fuse_decode_ops()
+            if decode_ops:  # the draft only proposes: its own ops never change the output
+                fuse_or_warn(draft_model.model, "draft")
             if compact_draft is None:  # a self draft stays the target's exact copy (acceptance 1.0)
                 compact_draft = (self.backend.compacts_drafts(dtype)
                                  and not same_decoder(draft_model.model, self.target.model))
