@@ -134,6 +134,28 @@ def test_resume_continues_from_the_saved_step(multilingual, clips, tmp_path):
         distill(multilingual, clips, tmp_path / "resumed", replace(OPTS, steps=5, lr=2e-3))
 
 
+def test_init_starts_from_an_earlier_draft_and_refuses_another_targets(multilingual, clips, tmp_path, ckpt_dir):
+    """`init`: the draft starts from a saved draft's decoder (0 more steps save it unchanged; more
+    steps train it further, deterministically); a draft of another shape or target is refused."""
+    first = tmp_path / "first"
+    distill(multilingual, clips, first, OPTS)
+    again = distill(multilingual, clips, tmp_path / "again", replace(OPTS, steps=0, init=str(first)))
+    a, b = weights(first), weights(tmp_path / "again")
+    decoder = [k for k in a if k.startswith("model.decoder.")]
+    assert again.step == 0 and all(torch.equal(a[k], b[k]) for k in decoder)
+    further = [distill(multilingual, clips, tmp_path / f"further{i}", replace(OPTS, init=str(first)))
+               for i in range(2)]
+    c, d = weights(tmp_path / "further0"), weights(tmp_path / "further1")
+    assert further[0].losses == further[1].losses and all(torch.equal(c[k], d[k]) for k in c)
+    fresh = distill(multilingual, clips, tmp_path / "fresh", OPTS)
+    assert further[0].losses[0] < fresh.losses[0]  # it starts where the first run ended
+    with pytest.raises(ValueError, match="not a 1-layer draft of this target's shape"):
+        distill(multilingual, clips, tmp_path / "one", replace(OPTS, layers=1, init=str(first)))
+    other = ckpt_dir("distill-other-target", seed=5)  # the same shapes, other weights
+    with pytest.raises(ValueError, match="not a draft of this target: its frozen tensors"):
+        distill(other, clips, tmp_path / "other", replace(OPTS, init=str(first)))
+
+
 def test_minutes_bound_the_training(multilingual, clips, tmp_path):
     report = distill(multilingual, clips, tmp_path / "draft", replace(OPTS, steps=10**6, minutes=1e-4))
     assert 1 <= report.step < 10**6  # stops after the step in flight, and still saves the draft

@@ -201,7 +201,8 @@ def cmd_distill(args) -> int:
                           lr=args.lr, seed=args.seed, language=args.language, max_new_tokens=args.max_new_tokens,
                           bf16=args.bf16, device=args.device, kd=args.kd, holdout=args.holdout,
                           eval_every=args.eval_every, pack=not args.no_pack, ema=args.ema,
-                          longform=not args.no_longform)
+                          longform=not args.no_longform,
+                          init=None if args.init is None else str(model_folder(args.init)))
     report = distill(model_folder(args.target), args.audio, args.out, opts)
     for line in report.skipped:
         print(f"skipped {line}", file=sys.stderr)
@@ -227,6 +228,8 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--audio", required=True, type=Path, help="folder of audio files (searched recursively)")
     d.add_argument("--out", required=True, type=Path, help="draft folder to write (a rerun resumes it)")
     d.add_argument("--layers", type=int, default=2, help="decoder blocks of the draft")
+    d.add_argument("--init", default=None, help="start from this draft of the target (a folder, or "
+                   "`base-2l`: fetched) instead of the target's blocks: train it further on more audio")
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all")
     d.add_argument("--minutes", type=float, default=None, help="wall-time bound of this run's training phase")
     d.add_argument("--batch-size", type=int, default=8)

@@ -18,7 +18,8 @@ transcripts of the user's audio (self-distillation: no labels needed).
    under teacher forcing, i.e. its expected greedy acceptance rate per proposal, before and during
    training.
 2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
-   (first and last for 2), with the target's token/position embeddings and final layer norm, learns
+   (first and last for 2; or, with `init`, an earlier draft's decoder, to train it further on more
+   audio), with the target's token/position embeddings and final layer norm, learns
    to predict the target's tokens (teacher forcing over the generated positions and EOT, prompt
    positions excluded) with AdamW. The loss is the cross-entropy against the target's token plus
    `kd` times the cross-entropy against the target's distribution over its `top` tokens
@@ -89,6 +90,7 @@ class DistillOptions:
     eval_every: int = 50  # steps between held-out agreement checks; the best draft seen is saved (0: last)
     ema: float = 0.99  # the draft is this exponential moving average of the trained weights (0: the weights)
     longform: bool = True  # also learn from long-form decoding: timestamps and previous-text prompts (see above)
+    init: str | None = None  # a draft folder (a distilled draft of this target) to start from, not target blocks
 
     def __post_init__(self):
         if self.layers < 1:
@@ -110,7 +112,7 @@ class DistillOptions:
         """What a resumed run must share with the saved one (steps and minutes may change)."""
         return {k: v for k, v in asdict(self).items() if k in ("layers", "batch_size", "lr", "warmup",
                                                                  "weight_decay", "seed", "bf16", "kd", "top",
-                                                                 "holdout", "pack", "ema", "longform")}
+                                                                 "holdout", "pack", "ema", "longform", "init")}
 
 
 @dataclass
@@ -444,6 +446,27 @@ def layer_choice(n_target: int, n_draft: int) -> list[int]:
     return [round(i * (n_target - 1) / (n_draft - 1)) for i in range(n_draft)]
 
 
+def load_draft_decoder(decoder: Decoder, folder: Path) -> None:
+    """Load a saved draft's decoder tensors (`save_draft`'s folder) into `decoder`: `distill`'s
+    start from an earlier draft (more audio, another domain) instead of the target's blocks. The
+    frozen tensors must equal the target's (a draft of another target is refused)."""
+    from ..model.weights import checkpoint_files
+
+    state = {}
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            state.update({k[len("model.decoder."):]: f.get_tensor(k) for k in f.keys() if k.startswith("model.decoder.")})
+    own = decoder.state_dict()
+    if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
+        raise ValueError(f"{folder} is not a {len(decoder.layers)}-layer draft of this target's shape "
+                         f"(its decoder tensors differ in names or shapes)")
+    frozen = [k for k, p in decoder.named_parameters() if not p.requires_grad]
+    if any(not torch.equal(state[k].float(), own[k].float()) for k in frozen):
+        raise ValueError(f"{folder} is not a draft of this target: its frozen tensors (token embedding, "
+                         f"cross-attention keys and values) differ from the target's")
+    decoder.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+
+
 def init_draft_decoder(target: Whisper, layers: int) -> Decoder:
     """A fresh `Decoder` of `layers` blocks copied from the target's (see `layer_choice`), with the
     target's embeddings and final layer norm. Frozen: the token embedding (the tied head) and the
@@ -563,6 +586,8 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     suppress = engine.target.suppress.to(device)
 
     decoder = init_draft_decoder(engine.target.model, opts.layers)
+    if opts.init is not None:
+        load_draft_decoder(decoder, resolve_model_path(opts.init))
     del engine  # the teacher's decoder and caches are no longer needed
     decoder.to(device)
     held_cross = {}  # the held-out windows' cross K/V, computed at the first check
