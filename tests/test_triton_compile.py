@@ -106,3 +106,43 @@ def test_a_kernel_the_interpreter_runs_but_a_gpu_rejects_fails_here(tmp_path):
     with ops.compiling() as good:
         good.pick(*same_dtypes)
     assert kernel_names(ops.compiled) == {"_pick_kernel"}
+
+
+INT_KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):  # UNIQUE
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.sum(tl.load(x_ptr + offs), axis=0) * 2.0)
+
+
+def scale(x, out):
+    _scale_kernel[(1,)](x, out, BLOCK=16)
+    return out
+'''
+
+
+def test_compiles_after_an_interpreted_helper_left_its_patches(tmp_path):
+    """An interpreted kernel's call of a Triton @jit helper (tl.sum) patches the language for that
+    call and never restores it; compiling afterwards in the same process (the full suite) then
+    failed ('value' object has no attribute 'dtype'). `compiling()` compiles from the language as
+    it was, and leaves the patches as it found them."""
+    import triton.language as tl
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import _patch_lang
+
+    path = tmp_path / "int_kernel.py"
+    path.write_text(INT_KERNEL.replace("UNIQUE", str(tmp_path)))  # its own source: no cache hit
+    leak = _patch_lang(getattr(standard.sum, "fn", standard.sum))  # what such a call leaves behind
+    try:
+        patched = tl.core.mul
+        assert patched.__module__ == "triton.runtime.interpreter"
+        ops = CompiledForGpu(path)
+        with ops.compiling() as k:
+            k.scale(torch.ones(16), torch.empty(16))
+        assert kernel_names(ops.compiled) == {"_scale_kernel"} and tl.core.mul is patched
+    finally:
+        leak.restore()

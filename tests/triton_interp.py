@@ -16,6 +16,25 @@ if not torch.cuda.is_available():
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 
+
+def _language_namespaces() -> list:
+    """The objects whose attributes Triton's interpreter patches while it runs a kernel: the
+    language modules and their classes (tensor, dtypes, ...)."""
+    import triton.language as tl
+    import triton.language.standard as standard
+
+    return [tl, tl.core, tl.math, standard] + [v for v in vars(tl.core).values() if isinstance(v, type)]
+
+
+# Their attributes before any kernel runs (test modules import this one at collection). An
+# interpreted kernel that calls one of Triton's @jit helpers (tl.sum, tl.max, ...) patches the
+# language again for that call and never restores it (InterpretedFunction.__call__), which breaks
+# later compilations in the process: `CompiledForGpu.compiling` puts these values back meanwhile.
+try:
+    _PRISTINE = [(ns, dict(vars(ns))) for ns in _language_namespaces()]
+except ImportError:  # no Triton: nothing compiles or runs interpreted
+    _PRISTINE = []
+
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -128,6 +147,12 @@ class CompiledForGpu:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
+        # the language as it was before any interpreted kernel left its patches (see _PRISTINE)
+        leaked = [(ns, name, vars(ns).get(name, _MISSING), pristine.get(name, _MISSING))
+                  for ns, pristine in _PRISTINE for name in set(vars(ns)) | set(pristine)
+                  if vars(ns).get(name, _MISSING) is not pristine.get(name, _MISSING)]
+        for ns, name, _, original in leaked:
+            _put(ns, name, original)
         # Triton's own helpers as compiled-mode functions (interpreted ones if Triton was first
         # imported with TRITON_INTERPRET set, as on a machine without a GPU)
         saved = [(ns, name, obj) for ns in (tl, standard) for name, obj in vars(ns).items()
@@ -169,6 +194,19 @@ class CompiledForGpu:
             JITFunction.run = saved_run
             for ns, name, obj in saved:
                 setattr(ns, name, obj)
+            for ns, name, current, _ in leaked:
+                _put(ns, name, current)
+
+
+_MISSING = object()
+
+
+def _put(ns, name: str, value) -> None:
+    if value is _MISSING:
+        if name in vars(ns):
+            delattr(ns, name)
+    else:
+        setattr(ns, name, value)
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
