@@ -388,7 +388,8 @@ class Bench:
         # a one-token step; the float32 rows show exactness on the same weights (README, GPU)
         systems = {"target-only": (None, None, graphed, self.dtype, "target-only", None),
                    f"self-draft k={k}": (folder, k, graphed, self.dtype, "target-only", None),
-                   "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed, self.dtype, "target-only", None)}
+                   "distil-large-v3 k=2": (self.folders["distil-large-v3"], 2, graphed, self.dtype, "target-only",
+                                           None)}
         if graphed:
             systems["target-only eager"] = (None, None, False, self.dtype, "target-only", None)
             systems["target-only torch-ops"] = (None, None, graphed, self.dtype, "target-only torch-ops", False)
@@ -560,7 +561,8 @@ def host_profile(fn, top: int = 25) -> list[dict]:
     profile.disable()
     stats = pstats.Stats(profile).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [dict(function=f"{Path(file).name}:{line}({name})", calls=calls, own_s=round(own, 4), cumulative_s=round(cum, 4))
+    return [dict(function=f"{Path(file).name}:{line}({name})", calls=calls, own_s=round(own, 4),
+                 cumulative_s=round(cum, 4))
             for (file, line, name), (_, calls, own, cum, _) in rows]
 
 

@@ -42,6 +42,7 @@ def check_sample_len(max_new_tokens: int | None) -> None:
         raise ValueError(f"max_new_tokens caps each long-form window (openai's sample_len, at most {SAMPLE_LEN}), "
                          f"got {max_new_tokens}")
 
+
 def fuse_or_warn(model, role: str) -> bool:
     """`model.fuse_decode_ops()` where it can run (Triton importable, a power-of-two head size),
     else a warning and torch's ops: whether it fused."""
@@ -66,10 +67,11 @@ class Engine:
                  draft_head_tokens: int | None = None, max_batch: int = 8, background: bool = True,
                  compact_draft: bool | None = None, cuda_graphs: bool | None = None, sampling: str = "race",
                  decode_ops: bool | None = None):
-        """`dtype`: None is float32 on a CPU and float16 on CUDA. In float16/bfloat16 on a GPU a
-        verify pass of k + 1 positions (or another batch bucket) can round a near-tied argmax
-        differently from a one-token step, so speculative tokens can differ from target-only's
-        there (README, GPU); float32 is token-exact everywhere.
+        """`dtype`: None is float32 on a CPU and float16 on CUDA. In float16/bfloat16 on torch's
+        GPU kernels (`decode_ops=False`) a verify pass of k + 1 positions (or another batch
+        bucket) can round a near-tied argmax differently from a one-token step, so speculative
+        tokens can differ from target-only's there (README, GPU); the decode ops (the default in
+        half precision on CUDA) and float32 are token-exact.
         `shared_encoder`: None detects a draft whose encoder equals the target's (it then
         runs once); `draft_head_tokens`: greedy drafts propose only among that many of their
         lowest target-spellable text ids (a cheaper draft head; output stays exact);
@@ -92,12 +94,13 @@ class Engine:
         race winner (a seed gives the same tokens whatever k, batch or draft), "rejection" runs
         Leviathan et al.'s acceptance test and residual resampling (rejection.py: accepts a little
         more; tokens then depend on the draft); both sample exactly the target's distribution.
-        `decode_ops` (CUDA only): the decoders' layers on the Triton decode ops
+        `decode_ops` (CUDA only): the decoders' layers and heads on the Triton decode ops
         (`Whisper.fuse_decode_ops`: fused linears, chunked attention, each row's and query's bits
         independent of the others, so that half precision is token-exact too: on an H100 a float16
         self draft's tokens equalled target-only's at B = 1 and 8, where torch's ops flip near
         ties); None: on for float16/bfloat16 on CUDA where Triton compiles them (else torch's ops,
-        with a warning), off elsewhere; large-v3's graphed step on an H100 2.35 / 3.27 ms at B = 1 / 8 against 2.80 / 3.91 on torch's ops (README, GPU)."""
+        with a warning), off elsewhere; large-v3's graphed step on an H100 2.35 / 3.27 ms at
+        B = 1 / 8 against 2.80 / 3.91 on torch's ops (README, GPU)."""
         self.device = torch.device(device) if device is not None else default_device()
         self.backend = backend_for(self.device)  # every device-dependent decision (backends/)
         if dtype is None:

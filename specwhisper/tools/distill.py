@@ -455,7 +455,8 @@ def load_draft_decoder(decoder: Decoder, folder: Path) -> None:
     state = {}
     for path in checkpoint_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
-            state.update({k[len("model.decoder."):]: f.get_tensor(k) for k in f.keys() if k.startswith("model.decoder.")})
+            state.update({k[len("model.decoder."):]: f.get_tensor(k) for k in f.keys()
+                          if k.startswith("model.decoder.")})
     own = decoder.state_dict()
     if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
         raise ValueError(f"{folder} is not a {len(decoder.layers)}-layer draft of this target's shape "
