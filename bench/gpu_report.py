@@ -164,7 +164,8 @@ def markdown(r: dict) -> str:
         if rtfx.get("host_profile"):
             lines += ["Host time of one target-only call (cProfile, by own time):", ""]
             lines += table(["function", "calls", "own s", "cumulative s"],
-                           [[p["function"], p["calls"], p["own_s"], p["cumulative_s"]] for p in rtfx["host_profile"][:15]])
+                           [[p["function"], p["calls"], p["own_s"], p["cumulative_s"]]
+                            for p in rtfx["host_profile"][:15]])
             lines += [""]
     modeled = r.get("modeled")
     if modeled:

@@ -450,22 +450,19 @@ def load_draft_decoder(decoder: Decoder, folder: Path) -> None:
     """Load a saved draft's decoder tensors (`save_draft`'s folder) into `decoder`: `distill`'s
     start from an earlier draft (more audio, another domain) instead of the target's blocks. The
     frozen tensors must equal the target's (a draft of another target is refused)."""
-    from ..model.weights import checkpoint_files
+    from ..model.weights import read_state_dict
 
-    state = {}
-    for path in checkpoint_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            state.update({k[len("model.decoder."):]: f.get_tensor(k) for k in f.keys()
-                          if k.startswith("model.decoder.")})
+    state = {k[len("model.decoder."):]: v for k, v in read_state_dict(folder, "cpu", torch.float32).items()
+             if k.startswith("model.decoder.")}
     own = decoder.state_dict()
     if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
         raise ValueError(f"{folder} is not a {len(decoder.layers)}-layer draft of this target's shape "
                          f"(its decoder tensors differ in names or shapes)")
     frozen = [k for k, p in decoder.named_parameters() if not p.requires_grad]
-    if any(not torch.equal(state[k].float(), own[k].float()) for k in frozen):
+    if any(not torch.equal(state[k], own[k].float()) for k in frozen):
         raise ValueError(f"{folder} is not a draft of this target: its frozen tensors (token embedding, "
                          f"cross-attention keys and values) differ from the target's")
-    decoder.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    decoder.load_state_dict(state, strict=True)
 
 
 def init_draft_decoder(target: Whisper, layers: int) -> Decoder:
