@@ -6,7 +6,9 @@ vocabularies, so nothing here hard-codes an id.
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,36 @@ from .config import read_json
 
 LANGUAGE_TOKEN = re.compile(r"^<\|([a-z]{2,3})\|>$")
 TASKS = ("transcribe", "translate")
+
+
+_PARSED: dict[bytes, tuple[HFTokenizer, dict]] = {}  # tokenizer.json's digest -> `_parsed`
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed(content: bytes, path: Path) -> tuple[HFTokenizer, dict]:
+    """(the `tokenizers` tokenizer, language code -> token id in vocabulary order) of a
+    tokenizer.json's `content`, parsed once per distinct content: 0.3-0.45 s a parse of Whisper's,
+    which every Engine paid for its target and again for a draft with the same vocabulary (a
+    distilled draft's folder holds a copy). The tokenizer is only read (encode, decode, lookups),
+    never configured, so engines share it."""
+    digest = hashlib.blake2b(content, digest_size=20).digest()
+    with _PARSED_LOCK:
+        found = _PARSED.get(digest)
+    if found is not None:
+        return found
+    try:
+        backend = HFTokenizer.from_str(content.decode("utf-8"))
+    except Exception as exc:  # the tokenizers library raises a bare Exception (bad UTF-8 too)
+        raise ValueError(f"{path} is not a valid tokenizer.json: {exc}") from None
+    languages = {}
+    for token, tid in sorted(backend.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1]):
+        m = LANGUAGE_TOKEN.match(token)
+        if m:
+            languages[m.group(1)] = tid
+    with _PARSED_LOCK:
+        if len(_PARSED) >= 8:  # a handful of vocabularies per process
+            _PARSED.pop(next(iter(_PARSED)))
+        return _PARSED.setdefault(digest, (backend, languages))
 
 
 @dataclass(frozen=True)
@@ -36,10 +68,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
-        try:
-            backend = HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the tokenizers library raises a bare Exception
-            raise ValueError(f"{path} is not a valid tokenizer.json: {exc}") from None
+        backend, languages = _parsed(path.read_bytes(), path)
 
         def special(name: str) -> int:
             tid = backend.token_to_id(name)
@@ -47,17 +76,12 @@ class Tokenizer:
                 raise ValueError(f"{path} lacks the Whisper special token {name}")
             return tid
 
-        languages = {}
-        for token, tid in sorted(backend.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1]):
-            m = LANGUAGE_TOKEN.match(token)
-            if m:
-                languages[m.group(1)] = tid
         gen_path = folder / "generation_config.json"
         gen = read_json(gen_path, "generation config") if gen_path.is_file() else {}
         return cls(
             backend=backend, eot=special("<|endoftext|>"), sot=special("<|startoftranscript|>"),
             no_timestamps=special("<|notimestamps|>"),
-            task_ids={t: special(f"<|{t}|>") for t in TASKS}, languages=languages,
+            task_ids={t: special(f"<|{t}|>") for t in TASKS}, languages=dict(languages),
             suppress_tokens=tuple(gen.get("suppress_tokens") or ()),
             begin_suppress_tokens=tuple(gen.get("begin_suppress_tokens") or ()),
             multilingual=vocab_size >= 51865)

@@ -74,20 +74,24 @@ def test_extreme_products_and_odd_rows(level):
     assert p[:2].abs().max() == 127 and (p[2:4] == 0).all() and (p[5] == 0).all()
 
 
-def test_packing_is_the_documented_layout():
+@pytest.mark.parametrize("V", [13, 2 * 1024 + 13])  # one packing chunk, and three (1024 rows each)
+def test_packing_is_the_documented_layout(V):
     """packed[block, chunk, row, byte]: q + 8 of feature 32·chunk + byte (low nibble) and of
     feature 32·chunk + 16 + byte (high nibble) of vocabulary row 8·block + row; padding rows
     hold q = 0; q = round(w / s) in -7..7 with s = max|w| / 7."""
     gen = torch.Generator().manual_seed(3)
-    V, K = 13, 64
+    K = 64
     weight = torch.randn(V, K, generator=gen)
+    weight[V // 2] = 0  # an all-zero row: q = 0
     head = Q4Head(weight)
-    assert head.packed.shape == (2, K // 32, 8, 16) and head.packed.dtype == torch.uint8
+    blocks = -(-V // 8)
+    assert head.packed.shape == (blocks, K // 32, 8, 16) and head.packed.dtype == torch.uint8
     lo = (head.packed & 0x0F).long() - 8
     hi = (head.packed >> 4).long() - 8
-    q = torch.cat([lo, hi], dim=-1).transpose(1, 2).reshape(16, K)  # [rows, chunk * 32 + feature]
-    want = (weight / (weight.abs().amax(1, keepdim=True) / 7)).round().clamp(-8, 7)
-    assert torch.equal(q[:V].float(), want) and (q[V:] == 0).all()
+    q = torch.cat([lo, hi], dim=-1).transpose(1, 2).reshape(blocks * 8, K)  # [rows, chunk * 32 + feature]
+    scale = weight.abs().amax(1, keepdim=True) / 7
+    want = (weight / torch.where(scale > 0, scale, 1.0)).round().clamp(-8, 7)
+    assert torch.equal(q[:V].float(), want) and (q[V:] == 0).all() and (q[V // 2] == 0).all()
     assert torch.equal(head.int4_weights(), q[:V].to(torch.int8))  # what the references read
     assert q[:V].abs().max() == 7
 

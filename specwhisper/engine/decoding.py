@@ -25,12 +25,19 @@ class LoadedModel:
     path: Path
     suppress: torch.Tensor  # [V] bool: suppressed at every step
     begin_suppress: torch.Tensor  # [V] bool: suppressed at the first generated position
-    head: ScreenedHead | None  # exact greedy argmax read through an int8 copy (float32 models)
+    screened: bool  # greedy reads the exact int8 screen of the head (`head`; float32 models on a CPU)
     backend: Backend  # the device's decisions (backends/)
 
     @property
     def config(self) -> WhisperConfig:
         return self.model.config
+
+    @functools.cached_property
+    def head(self) -> ScreenedHead | None:
+        """The exact screened head greedy decoding reads (None: full logits), built at its first
+        use (base's: 0.5 s): a draft that proposes through another head (the target's, a 4-bit
+        copy) never builds its own. Assigning another head replaces it."""
+        return ScreenedHead(self.model.decoder.embed_tokens.weight) if self.screened else None
 
     @classmethod
     def load(cls, path, device, dtype) -> "LoadedModel":
@@ -44,8 +51,7 @@ class LoadedModel:
         begin = suppress.clone()
         begin[[t for t in tok.begin_suppress_tokens if t < vocab]] = True
         # greedy reads an int8 copy of the head, exactly, where the backend says so (see model/head.py)
-        head = ScreenedHead(model.decoder.embed_tokens.weight) if backend.screens_head(dtype) else None
-        return cls(model, tok, path, suppress, begin, head, backend)
+        return cls(model, tok, path, suppress, begin, backend.screens_head(dtype), backend)
 
     @functools.cached_property
     def alignment_heads(self) -> list[tuple[int, int]]:

@@ -4,6 +4,7 @@ the runner's slots are drafting.py's (the glossary is in runner.py); the specula
 asks `DraftLength` for each iteration's k."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -49,7 +50,7 @@ class Drafter:
                              f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
                              "mel front end")
         self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
-        self.head = draft.head
+        self.pruned = head_tokens is not None  # greedy proposals among a subset of the vocabulary
         if same_head(draft, target):
             # a draft whose output head is the target's (a distilled draft reuses the target's
             # embedding; a self draft is the target): one int8 copy serves both, so the bytes a
@@ -84,9 +85,16 @@ class Drafter:
         lengths = torch.tensor([len(sp) for sp in spellings], dtype=torch.long)
         return d2t, t2d, lengths
 
+    @functools.cached_property
+    def head(self):
+        """The draft's greedy head: the target's screened head where the two are equal, a pruned
+        head (`head_tokens`), a compact draft's 4-bit head (`compact_head`), else the draft's own
+        (built here, at its first use, only where none of those replaced it)."""
+        return self.draft.head
+
     def compact_head(self) -> None:
         """A compact draft proposes through `compact_draft_head` unless a pruned head was asked for."""
-        head = None if isinstance(self.head, SubsetHead) else compact_draft_head(self.draft.model)
+        head = None if self.pruned else compact_draft_head(self.draft.model)
         if head is not None:
             self.head = head
 
@@ -266,7 +274,7 @@ def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> to
 
 def same_head(a, b) -> bool:
     """Whether loaded models a and b have the same screened output head (equal embeddings)."""
-    if a.head is None or b.head is None:
+    if not (a.screened and b.screened):
         return False
     wa, wb = a.model.decoder.embed_tokens.weight, b.model.decoder.embed_tokens.weight
     return wa.shape == wb.shape and wa.dtype == wb.dtype and bool(torch.equal(wa, wb))

@@ -19,6 +19,18 @@ from ..config import WhisperConfig
 from . import encoder_cpu
 
 
+class Embedding(nn.Embedding):
+    """`nn.Embedding` that skips its random initialisation on the meta device, where
+    `load_whisper` builds the model before assigning the checkpoint's tensors: torch's `normal_` on
+    a meta tensor imports `torch._dynamo` (2.4-3.7 s of every process that loads a model: a CLI
+    call of a 30 s clip spent longer on it than on transcribing). Elsewhere it initialises as
+    `nn.Embedding` does."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -100,7 +112,7 @@ class Encoder(nn.Module):
         d = cfg.d_model
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
-        self.embed_positions = nn.Embedding(cfg.max_source_positions, d)  # sinusoids, stored
+        self.embed_positions = Embedding(cfg.max_source_positions, d)  # sinusoids, stored
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
@@ -276,8 +288,8 @@ class Decoder(nn.Module):
     def __init__(self, cfg: WhisperConfig):
         super().__init__()
         d = cfg.d_model
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)  # also the (tied) output head
-        self.embed_positions = nn.Embedding(cfg.max_target_positions, d)
+        self.embed_tokens = Embedding(cfg.vocab_size, d)  # also the (tied) output head
+        self.embed_positions = Embedding(cfg.max_target_positions, d)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
