@@ -82,3 +82,18 @@ def test_a_draft_proposing_through_another_head_never_builds_its_own(draft, mult
         assert engine.drafter.head is engine.target.head
     else:
         assert type(engine.drafter.head).__name__ == "Q4Head"
+
+
+def test_the_program_freezes_its_objects_before_the_interpreter_exits():
+    """`specwhisper` (the console script and `python -m specwhisper.tools.cli`) runs `cli.run`:
+    the command, then `gc.freeze`, so the interpreter's last collections skip torch's objects."""
+    from importlib.metadata import entry_points
+
+    assert entry_points(group="console_scripts")["specwhisper"].value == "specwhisper.tools.cli:run"
+    probe = ("import gc\n"
+             "from specwhisper.tools import cli\n"
+             "cli.main = lambda: 7\n"
+             "assert gc.get_freeze_count() == 0\n"
+             "assert cli.run() == 7 and gc.get_freeze_count() > 0\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
