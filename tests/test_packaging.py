@@ -32,7 +32,7 @@ assert (installed / "drafts" / "base-2l.safetensors").stat().st_size > 10_000_00
 assert backend_for("cpu").name == "cpu"  # the backends subpackage is installed
 for sub in ("model", "engine", "backends", "longform", "serving", "tools", "kernels", "samples", "drafts"):
     assert (installed / sub / "__init__.py").is_file(), f"subpackage {sub} is not installed"
-import specwhisper.tools.cli  # the console script's module (specwhisper.tools.cli:main)
+import specwhisper.tools.cli  # the console script's module (specwhisper.tools.cli:run)
 print("ok", installed)
 """
 
@@ -124,3 +124,58 @@ def test_import_asks_torch_for_huge_pages_unless_told_otherwise():
     if mode == "madvise":
         assert opted_out.startswith("0 off"), opted_out
     assert run("import torch; import specwhisper; " + report).startswith("None ")
+
+
+PROBE_OP = """
+#include <torch/library.h>
+#include <ATen/ATen.h>
+at::Tensor twice(const at::Tensor& x) { return x * 2; }
+TORCH_LIBRARY(sw_stamp_probe, m) { m.def("twice(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(sw_stamp_probe, CPU, m) { m.impl("twice", &twice); }
+"""
+
+RELOAD = """
+import sys, torch, torch.utils.cpp_extension as ext
+from pathlib import Path
+from specwhisper.backends.ops import load_or_build
+
+def refuse(*args, **kwargs):
+    raise RuntimeError("went through torch's load")
+
+ext.load = refuse
+folder = Path(sys.argv[1])
+load_or_build(folder, "sw_stamp_probe", [folder / "probe.cpp"], 1, ["-O1"], [])
+assert torch.equal(torch.ops.sw_stamp_probe.twice(torch.ones(2)), torch.full((2,), 2.0))
+print("direct")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the C++ ops build with gcc on Linux")
+def test_a_built_extension_loads_without_torchs_build_check_until_it_changes(tmp_path):
+    """`load_or_build`: the first process builds and stamps; the next loads the library directly
+    (torch's `load`, which runs ninja, is never called); a library rebuilt by anything else, or
+    changed sources, go through `load` again."""
+    import torch
+
+    from specwhisper.backends.ops import load_or_build
+
+    (tmp_path / "probe.cpp").write_text(PROBE_OP)
+    load_or_build(tmp_path, "sw_stamp_probe", [tmp_path / "probe.cpp"], 1, ["-O1"], [])
+    assert torch.equal(torch.ops.sw_stamp_probe.twice(torch.ones(2)), torch.full((2,), 2.0))
+    assert (tmp_path / "sw_stamp_probe.stamp").is_file()
+
+    def reload():
+        return subprocess.run([sys.executable, "-c", RELOAD, str(tmp_path)], capture_output=True, text=True,
+                              timeout=300)
+
+    done = reload()
+    assert done.returncode == 0 and done.stdout.strip() == "direct", done.stderr[-2000:]
+    library = tmp_path / "sw_stamp_probe.so"
+    os.utime(library, ns=(library.stat().st_atime_ns, library.stat().st_mtime_ns + 10**9))  # rebuilt elsewhere
+    done = reload()
+    assert done.returncode != 0 and "went through torch's load" in done.stderr
+    load_or_build(tmp_path, "sw_stamp_probe", [tmp_path / "probe.cpp"], 1, ["-O1"], [])  # stamped again
+    assert reload().returncode == 0
+    (tmp_path / "probe.cpp").write_text(PROBE_OP + "\n// edited\n")
+    done = reload()
+    assert done.returncode != 0 and "went through torch's load" in done.stderr

@@ -361,10 +361,8 @@ def _ops():
 
 
 def _build() -> None:
-    from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
-
     # one build folder and one source folder for all
-    from .ops import build_dir, headers_flag, hold_build_lock, stage_sources
+    from .ops import build_dir, headers_flag, hold_build_lock, load_or_build, stage_sources
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -377,5 +375,5 @@ def _build() -> None:
         hold_build_lock(stack, directory)
         staged = stage_sources(directory, ("decode_ops.cpp", "encoder_ops.h"))
         cflags.append(headers_flag(staged, ("encoder_ops.h",)))
-        load(name="specwhisper_decode_ops", sources=[str(staged["decode_ops.cpp"])], build_directory=str(directory),
-             extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load_or_build(directory, "specwhisper_decode_ops", [staged["decode_ops.cpp"], staged["encoder_ops.h"]], 1,
+                      cflags, ["-fopenmp"])
