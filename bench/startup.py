@@ -45,6 +45,9 @@ def main() -> None:
 
     import numpy as np
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu import cpu_model  # bench/cpu.py: the model name and the vector extensions
+
     from specwhisper.audio import SAMPLE_RATE, load_audio
     from specwhisper.samples import demo_recording
     from specwhisper.tools.fetch import fetch
@@ -64,11 +67,7 @@ def main() -> None:
         f.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
     target = str(fetch(args.target))
     systems = [("target-only", "")] + [(f"+ {d}", str(fetch(d))) for d in args.draft]
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in cpu.splitlines() if ln.startswith("Flags")), [])
-    vector = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
-    print(f"CPU: {model} ({vector}); {args.seconds:.0f} s of the demo recording; {args.rounds} rounds", flush=True)
+    print(f"CPU: {cpu_model()}; {args.seconds:.0f} s of the demo recording; {args.rounds} rounds", flush=True)
     phases = {name: [] for name, _ in systems}
     cli = {name: [] for name, _ in systems}
     for r in range(args.rounds):

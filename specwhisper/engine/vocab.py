@@ -40,8 +40,9 @@ class VocabMap:
 
     @classmethod
     def build(cls, draft_tok, target_tok, draft_name="draft", target_name="target") -> "VocabMap":
-        if draft_tok.backend is target_tok.backend and draft_tok.timestamp_begin == target_tok.timestamp_begin:
-            # one parse of equal tokenizer.json files (`tokenizer._parsed`): the same strings
+        if draft_tok.backend is target_tok.backend:
+            # one parse of equal tokenizer.json files (`tokenizer._parsed`): the same strings, the
+            # same timestamp ids (`timestamp_begin` is read from the tokenizer alone)
             return cls(True, None, None, None, None, None, 1.0)
         dv, tv = token_strings(draft_tok), token_strings(target_tok)
         if dv == tv:
