@@ -3,12 +3,11 @@ import os as _os
 import sys as _sys
 
 if "torch" not in _sys.modules:
-    # PyTorch's CPU allocator reads this once, when torch starts: buffers of 2 MB and more (a
-    # decoder's weights, the screened head, the KV caches) are then advised into 2 MB transparent
-    # huge pages, where Linux enables them ("madvise" or "always"). A decode step streams ~150 MB
-    # (base); in 4 KB pages that is ~37,000 TLB misses a step. Same values, fewer page walks: a
-    # step 5-8% faster (README, "Huge pages"). THP_MEM_ALLOC_ENABLE=0 opts out; importing torch
-    # before specwhisper leaves torch's choice alone.
+    # PyTorch's CPU allocator reads this once, when torch starts: its buffers of 2 MB and more are
+    # then advised into 2 MB transparent huge pages, where Linux enables them ("madvise" or
+    # "always"). The buffers a decode step streams get their own aligned huge-page mappings
+    # (`model.memory.huge_zeros`, README "Huge pages"), which THP_MEM_ALLOC_ENABLE=0 also turns
+    # off. Importing torch before specwhisper leaves torch's setting alone.
     _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .audio import load_audio, log_mel_spectrogram

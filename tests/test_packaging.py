@@ -101,7 +101,7 @@ def test_import_asks_torch_for_huge_pages_unless_told_otherwise():
     """`import specwhisper` before torch sets THP_MEM_ALLOC_ENABLE=1 for torch's allocator (large
     tensors in transparent huge pages: a decode step's weights and caches); a value the user set
     is kept, and with torch imported first the package leaves it alone. `cpu_ops.huge_pages`
-    reports what a fresh tensor really got."""
+    reports what a fresh decode buffer (`model.memory.huge_zeros`) really got."""
     report = "import os; from specwhisper.backends import cpu_ops; print(os.environ.get('THP_MEM_ALLOC_ENABLE'), cpu_ops.huge_pages())"
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
 

@@ -291,12 +291,12 @@ def strict_mkl() -> bool:
 
 @functools.cache
 def huge_pages() -> str:
-    """Whether this process's large tensors sit in transparent huge pages (torch's allocator with
-    `THP_MEM_ALLOC_ENABLE`, which `import specwhisper` sets before torch starts), as a phrase for
-    benchmark headers (Linux; anything else reads "off"). On when a fresh 8 MB tensor gets huge
-    pages, or when the process already holds 64 MB of them (a loaded model's weights: late in a
-    process such a tensor may reuse memory faulted in 4 KB pages). A few MB that other libraries
-    hold do not count: with THP_MEM_ALLOC_ENABLE=0 a demo process held 4 MB."""
+    """Whether the buffers a decode step streams sit in transparent huge pages
+    (`model.memory.huge_zeros`: weights, heads and KV caches in their own 2 MB-aligned mappings),
+    as a phrase for benchmark headers (Linux; anything else reads "off"): on when a fresh 8 MB
+    buffer of that kind is faulted in as huge pages. `THP_MEM_ALLOC_ENABLE=0` turns them off."""
+    from ..model.memory import huge_zeros
+
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
     except (OSError, IndexError):
@@ -308,13 +308,14 @@ def huge_pages() -> str:
 
     try:
         before = anon_huge_kb()
-        probe = torch.ones(2 << 20)  # 8 MB
+        probe = huge_zeros((2 << 20,), torch.float32)  # 8 MB
+        probe.fill_(1.0)
         after = anon_huge_kb()
         del probe
     except (OSError, StopIteration, ValueError):
         return f"unknown (THP {mode})"
-    if after - before >= 2048 or after >= 64 << 10:
-        return f"on (THP {mode}: {after // 1024} MB of this process)"
+    if after - before >= 2048:
+        return f"on (THP {mode}: decode buffers in 2 MB pages)"
     return f"off (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})"
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import cpu_ops
+from .memory import huge_copy, huge_zeros
 
 FP32_ROUNDOFF = 2.0**-24
 TINY = 2.0**-40  # underflow of the products (< K·2^-149 for any float32 h)
@@ -116,7 +117,7 @@ class ScreenedHead:
         padded = torch.zeros(blocks * BLOCK, K, dtype=torch.int8)
         padded[:V] = q
         # [blocks, K/8, 8 rows, 8 features]: one block streams as one sequential run (C++ op)
-        self.packed = (padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2).contiguous()
+        self.packed = (huge_copy(padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2))
                        if K % 8 == 0 else None)
         self.q = q if self.packed is None else None  # the reference unpacks `packed` when it can
         self._tail = None  # (start, weight[start:]) for `tail`
@@ -316,7 +317,7 @@ class Q4Head:
         s = w.abs().amax(dim=1) / 7
         self.scale = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 exactly
         blocks = -(-V // BLOCK)
-        self.packed = torch.empty(blocks, K // Q4_CHUNK, BLOCK, 16, dtype=torch.uint8)  # [blocks, K/32, 8, 16]
+        self.packed = huge_zeros((blocks, K // Q4_CHUNK, BLOCK, 16), torch.uint8)  # [blocks, K/32, 8, 16]
         # 1024 rows at a time, each row on its own (the same bytes): the float temporaries of the
         # whole head at once (100 MB each for base's) made a draft's Engine 0.4 s slower to build
         for b0 in range(0, blocks, 128):

@@ -17,6 +17,7 @@ from torch import nn
 from ..backends import cpu_ops
 from ..config import WhisperConfig
 from . import encoder_cpu
+from .memory import huge_zeros
 
 
 class Embedding(nn.Embedding):
@@ -172,7 +173,11 @@ class DecoderCache:
         h = cfg.decoder_attention_heads
         shape = (cfg.decoder_layers, batch, h, cfg.max_target_positions + 1, cfg.d_model // h)
         cross = (cfg.decoder_layers, batch, h, cfg.max_source_positions, cfg.d_model // h)
-        new = lambda s, t=dtype: torch.zeros(s, device=device, dtype=t)  # noqa: E731
+        def new(s, t=dtype):  # CPU caches in huge pages, faulted in as slots first write them
+            if torch.device(device).type == "cpu":
+                return huge_zeros(s, t)
+            return torch.zeros(s, device=device, dtype=t)
+
         return cls(new(shape), new(shape), new(cross, cross_dtype or dtype), new(cross, cross_dtype or dtype))
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -262,13 +267,12 @@ def one_buffer(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     copies, the same values. A decoder step streams its ~40 weight tensors a layer in order; apart
     they were 0.5-2 MB allocations, mostly in 4 KB pages (base's float16 projections: 20 of 44 MB
     in huge pages), and the hardware prefetchers stop at every 4 KB page. In one allocation
-    (torch's allocator puts a large one in transparent huge pages, which `import specwhisper`
-    turns on) they sit in 2 MB pages. Cold caches, 2 threads of a Zen 3 EPYC, paired medians of
+    (`memory.huge_zeros`) they sit in 2 MB pages. Cold caches, 2 threads of a Zen 3 EPYC, paired medians of
     60 alternated steps in one process: base's target step 0.974-1.000x of the time apart, its
     distilled draft's step 0.96-1.00x (4 runs); never slower, and two engines in one process no
     longer differ by where the allocator happened to put their copies."""
     spans = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
-    buffer = torch.empty(sum(spans), dtype=torch.uint8)
+    buffer = huge_zeros((sum(spans),), torch.uint8)
     out, offset = [], 0
     for t, span in zip(tensors, spans):
         n = t.numel() * t.element_size()
