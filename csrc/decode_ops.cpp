@@ -1282,6 +1282,99 @@ void q4_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool
   }
 }
 
+// The 2-bit head (spec: head.py `Q2Head`): row v's u in 0..3 (2q = 2u - 3 in {-3, -1, 1, 3}), stored
+// [ceil(V/8), K/64, 8, 16]: per block of 8 rows and chunk of 64 features, row j's byte b holds u of
+// features b, b + 16, b + 32 and b + 48 in its bit pairs 0-1, 2-3, 4-5 and 6-7. Half the 4-bit
+// copy's bytes; the products are exact integers as there.
+constexpr int64_t kQ2Chunk = 64;  // features per packed chunk (16 bytes a row)
+
+// sum_k u[j, k] * p[k] for row j of one block (the scalar twin of q2_block).
+int32_t q2_dot_scalar(const int8_t* x, int64_t K, const uint8_t* blk, int j) {
+  int32_t acc = 0;
+  for (int64_t c = 0; c < K / kQ2Chunk; ++c) {
+    const uint8_t* w = blk + (c * kQB + j) * 16;
+    const int8_t* xc = x + c * kQ2Chunk;
+    for (int b = 0; b < 16; ++b)
+      acc += (w[b] & 3) * xc[b] + ((w[b] >> 2) & 3) * xc[b + 16] + ((w[b] >> 4) & 3) * xc[b + 32] +
+             (w[b] >> 6) * xc[b + 48];
+  }
+  return acc;
+}
+
+// q4_block's form for the 2-bit copy: a 32-byte load holds rows 2jj and 2jj+1, each of its four bit
+// pairs multiplies its 16 features (maddubs: |pair sum| <= 2 * 3 * 127; four of them <= 3048, no
+// int16 overflow), madd sums pairs into int32 lanes.
+template <int MR, bool PF>
+__attribute__((target("avx2,fma,f16c"))) void q2_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
+                                                       int64_t ldo) {
+  const __m256i mask = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
+  __m256i acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < K / kQ2Chunk; ++c) {
+    const uint8_t* p = blk + c * kQB * 16;  // 128 bytes: two cache lines
+    if (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch + 64), _MM_HINT_T0);
+    }
+    __m256i xs[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < 4; ++q)
+        xs[i][q] = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + c * kQ2Chunk + 16 * q)));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+      const __m256i u0 = _mm256_and_si256(w, mask), u1 = _mm256_and_si256(_mm256_srli_epi16(w, 2), mask),
+                    u2 = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask),
+                    u3 = _mm256_and_si256(_mm256_srli_epi16(w, 6), mask);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i s = _mm256_add_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(u0, xs[i][0]), _mm256_maddubs_epi16(u1, xs[i][1])),
+            _mm256_add_epi16(_mm256_maddubs_epi16(u2, xs[i][2]), _mm256_maddubs_epi16(u3, xs[i][3])));
+        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(s, ones));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int32_t l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
+      out[i * ldo + 2 * j] = (l[0] + l[1]) + (l[2] + l[3]);
+      out[i * ldo + 2 * j + 1] = (l[4] + l[5]) + (l[6] + l[7]);
+    }
+}
+
+// products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
+void q2_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
+  int64_t m = 0;
+  if (vec) {
+    if (N == 1) {
+      q2_block<1, true>(x, K, blk, products, kQB);
+      return;
+    }
+    for (; m + 2 <= N; m += 2) {
+      if (m == 0) q2_block<2, true>(x, K, blk, products, kQB);
+      else q2_block<2, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    }
+    if (m < N) q2_block<1, false>(x + m * K, K, blk, products + m * kQB, kQB);
+  } else {
+    for (; m < N; ++m)
+      for (int j = 0; j < kQB; ++j) products[m * kQB + j] = q2_dot_scalar(x + m * K, K, blk, j);
+  }
+}
+
+// Bits-bit heads: the products of a block, and a token's centered integer product (the exact
+// q_v . p in the copy's integer units: 4-bit q = u - 8; 2-bit 2q = 2u - 3).
+template <int Bits>
+inline void quant_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
+  if (Bits == 4) q4_products(x, N, K, blk, vec, products);
+  else q2_products(x, N, K, blk, vec, products);
+}
+template <int Bits>
+inline int32_t centered(int32_t product, int32_t hsum) {
+  return Bits == 4 ? product - 8 * hsum : 2 * product - 3 * hsum;
+}
+
 // The `count` best (value, id) of a list kept in descending value, ascending id among equal
 // values; ids arrive in ascending order, so a later id never displaces an equal value.
 struct TopList {
@@ -1303,13 +1396,15 @@ struct Q4Shape {
   int64_t V, K, blocks, per_chunk, n_chunks;
   at::Tensor h;
   Q4Shape(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& weight,
-          const char* op) {
+          const char* op, int bits = 4) {
+    const int64_t chunk = bits == 4 ? kQ4Chunk : kQ2Chunk;
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2, op,
                 ": weight must be a contiguous float32 [V, K] matrix");
     V = weight.size(0), K = weight.size(1), blocks = (V + kQB - 1) / kQB;
-    TORCH_CHECK(K % kQ4Chunk == 0 && K <= 16384, op, ": K must be a multiple of 32, at most 16384");
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == blocks * kQB * K / 2,
-                op, ": packed must be uint8 [ceil(V/8), K/32, 8, 16]");
+    TORCH_CHECK(K % chunk == 0 && K <= 16384, op, ": K must be a multiple of ", chunk, ", at most 16384");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                packed.numel() == blocks * kQB * K * bits / 8,
+                op, ": packed must be uint8 [ceil(V/8), K/", chunk, ", 8, 16]");
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == V, op,
                 ": scale must be contiguous float32 [V]");
     h = as_float_rows(hidden);
@@ -1328,14 +1423,19 @@ TopList merged(const std::vector<TopList>& tops, int64_t n_chunks, int64_t N, in
   return all;
 }
 
-at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
-  const Q4Shape shape(hidden, packed, scale, weight, "q4_argmax");
+// The proposal of a Bits-bit head (spec: head.py `Q4Head.argmax_reference`, `Q2Head`'s): the
+// `candidates` best approximate logits fl(fl(centered) * scale_v) (ties to the lower id, banned tokens
+// skipped), rechecked in float32.
+template <int Bits>
+at::Tensor quant_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                        const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned,
+                        const char* name) {
+  const Q4Shape shape(hidden, packed, scale, weight, name, Bits);
   const int64_t V = shape.V, K = shape.K, blocks = shape.blocks;
-  TORCH_CHECK(candidates >= 1, "q4_argmax: candidates must be >= 1");
+  TORCH_CHECK(candidates >= 1, name, ": candidates must be >= 1");
   const at::Tensor& h = shape.h;
   const int64_t N = h.size(0);
-  const BannedRows ban(banned, N, V, "q4_argmax");
+  const BannedRows ban(banned, N, V, name);
   const bool* bp = ban.data;
   const int64_t banned_stride = ban.stride;
   at::Tensor out = at::empty({N}, h.options().dtype(at::kLong));
@@ -1354,13 +1454,13 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b_end = std::min(blocks, (c + 1) * per_chunk);
       for (int64_t b = c * per_chunk; b < b_end; ++b) {
-        q4_products(xq, N, K, qp + b * kQB * K / 2, vec, products.data());
+        quant_products<Bits>(xq, N, K, qp + b * kQB * K * Bits / 8, vec, products.data());
         for (int64_t r = 0; r < N; ++r) {
           const bool* bn = bp ? bp + r * banned_stride : nullptr;
           TopList& top = tops[c * N + r];
           for (int64_t v = b * kQB; v < std::min(V, (b + 1) * kQB); ++v) {
             if (bn && bn[v]) continue;
-            const int32_t P = products[r * kQB + v - b * kQB] - 8 * hsum[r];
+            const int32_t P = centered<Bits>(products[r * kQB + v - b * kQB], hsum[r]);
             top.offer(static_cast<float>(P) * sp[v], v);
           }
         }
@@ -1384,6 +1484,16 @@ at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const a
     op[r] = best_id < 0 ? 0 : best_id;
   }
   return out;
+}
+
+at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
+  return quant_argmax<4>(hidden, packed, scale, weight, candidates, banned, "q4_argmax");
+}
+
+at::Tensor q2_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
+  return quant_argmax<2>(hidden, packed, scale, weight, candidates, banned, "q2_argmax");
 }
 
 // A sampled draft's logits from the same 4-bit copy (spec: head.py `Q4Head.logits_reference`):
@@ -2324,6 +2434,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("screened_split(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned, int split) -> (Tensor, Tensor, Tensor)");
   m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
+  m.def("q2_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
   m.def("commit_tokens(Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor slots, Tensor choice, Tensor n_emit, int eot) -> Tensor");
@@ -2339,6 +2450,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("rule_state", &rule_state);
   m.impl("q4_argmax", &q4_argmax);
   m.impl("q4_logits", &q4_logits);
+  m.impl("q2_argmax", &q2_argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("kv_write", &kv_write);
   m.impl("commit_tokens", &commit_tokens);

@@ -1,4 +1,4 @@
-"""The drafts' 4-bit head (`Q4Head`): the C++ op equals its PyTorch reference bit for bit at every
+"""The drafts' 4-bit and 2-bit heads (`Q4Head`, `Q2Head`): the C++ ops equal its PyTorch reference bit for bit at every
 vector level, its packing is the documented layout, and its proposals are the exact argmax where
 the rounding cannot hide it."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specwhisper.backends import cpu_ops
-from specwhisper.model.head import Q4Head, quantize_rows8
+from specwhisper.model.head import Q2Head, Q4Head, quantize_rows8
 
 needs_ops = pytest.mark.skipif(cpu_ops._ops() is None, reason="C++ decode ops unavailable")
 
@@ -156,3 +156,108 @@ def test_bad_shapes_are_refused():
         Q4Head(torch.randn(10, 48))
     with pytest.raises(ValueError, match="candidates"):
         Q4Head(torch.randn(10, 32), candidates=0)
+
+
+# ---------------------------------------------------------------- the 2-bit head (Q2Head)
+@needs_ops
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("V,K,N", [(8, 64, 1), (77, 64, 3), (1001, 128, 5), (5003, 384, 2), (4099, 512, 9)])
+def test_q2_op_equals_reference(level, V, K, N):
+    """As `test_op_equals_reference` for the 2-bit copy: the same proposals as its reference at
+    every vector level, with and without banned tokens, at 1, 16 and more candidates than tokens."""
+    gen = torch.Generator().manual_seed(V + K + N + 1)
+    weight = torch.randn(V, K, generator=gen) * torch.rand(V, 1, generator=gen)
+    weight[5 % V] = weight[3 % V]
+    weight[V - 1] = 0.0  # an all-zero row
+    hidden = torch.randn(N, K, generator=gen) * 4
+    hidden[0] = weight[3 % V] * 10
+    masks = [None, torch.rand(V, generator=gen) < 0.3, torch.rand(N, V, generator=gen) < 0.5]
+    for candidates in (1, 16, V + 3):
+        head = Q2Head(weight, candidates)
+        for banned in masks:
+            with cpu_ops.vector_level(level):
+                got = head.argmax(hidden, banned)
+            with cpu_ops.reference():
+                want = head.argmax(hidden, banned)
+            assert torch.equal(got, want), (candidates, banned is None)
+    head = Q2Head(weight, V + 3)  # every token rechecked: the exact argmax
+    assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
+
+
+@needs_ops
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_q2_extreme_products_and_odd_rows(level):
+    """Every 2-bit level against hidden rows at ±127 (the largest maddubs sums), a zero hidden row,
+    rows with a NaN or an infinity, every token banned in one row, no rows at all."""
+    V, K = 203, 512
+    levels = torch.tensor([-1.5, -0.5, 0.5, 1.5])
+    # a pattern whose sum does not cancel (exact logits far from rounding noise), and constant rows
+    # at the outer levels
+    weight = levels[torch.arange(K) % 3 + 1].repeat(V, 1) * torch.linspace(0.5, 2, V)[:, None]
+    weight[7, :] = 1.5
+    weight[8, :] = -1.5
+    hidden = torch.stack([torch.full((K,), 5.0), torch.full((K,), -5.0), torch.zeros(K),
+                          torch.full((K,), float("nan")), torch.randn(K), torch.randn(K)])
+    hidden[5, 3] = float("inf")
+    banned = torch.zeros(6, V, dtype=torch.bool)
+    banned[4] = True
+    head = Q2Head(weight, 4)
+    assert set(head.int2_weights().unique().tolist()) == {-3, -1, 1, 3}
+    with cpu_ops.vector_level(level):
+        got = head.argmax(hidden, banned)
+        empty = head.argmax(hidden[:0])
+    with cpu_ops.reference():
+        want = head.argmax(hidden, banned)
+    assert torch.equal(got, want)
+    assert got[4] == 0 and empty.shape == (0,)
+
+
+@pytest.mark.parametrize("V", [13, 2 * 1024 + 13])
+def test_q2_packing_is_the_documented_layout(V):
+    """packed[block, chunk, row, byte]: u = q + 1.5 of features 64·chunk + byte + 16·i in bit pairs
+    2i..2i+1 of vocabulary row 8·block + row; q the nearest of ±0.5, ±1.5 to w / s, s the row's
+    standard deviation (an all-zero row: s = 1); padding rows hold u = 0."""
+    gen = torch.Generator().manual_seed(5)
+    K = 128
+    weight = torch.randn(V, K, generator=gen)
+    weight[V // 2] = 0
+    head = Q2Head(weight)
+    blocks = -(-V // 8)
+    assert head.packed.shape == (blocks, K // 64, 8, 16) and head.packed.dtype == torch.uint8
+    u = torch.cat([(head.packed >> (2 * i)) & 3 for i in range(4)], dim=-1)  # [blocks, chunk, row, 64]
+    u = u.transpose(1, 2).reshape(blocks * 8, K).long()
+    s = weight.std(1, keepdim=True)
+    s = torch.where(s > 0, s, 1.0)
+    q = (u[:V].float() - 1.5) * s
+    nearest = (weight[:, :, None] - torch.tensor([-1.5, -0.5, 0.5, 1.5]) * s[:, :, None]).abs().argmin(-1)
+    r = weight / s
+    tie = (r == r.round()) & (r.abs() <= 1)  # halfway between two levels (0, ±1): either
+    assert ((u[:V] == nearest) | tie).all() and (u[V:] == 0).all()
+    assert torch.equal(head.int2_weights(), (2 * u[:V] - 3).to(torch.int8))
+    assert torch.allclose(head.scale, s[:, 0] / 2)
+    # within half a step of every weight inside the levels' range, clamped to ±1.5 s outside it
+    assert ((q - weight).abs() <= torch.maximum(s / 2, weight.abs() - 1.5 * s) * (1 + 1e-6)).all()
+
+
+def test_q2_proposals_match_the_exact_argmax_on_clear_winners_and_sample_from_a_4_bit_copy():
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(51865, 64, generator=gen) * 0.5
+    ids = torch.randint(0, 51865, (200,), generator=gen)
+    hidden = weight[ids] * 3 + torch.randn(200, 64, generator=gen) * 0.3
+    want = exact_argmax(weight, hidden).argmax(dim=-1)
+    assert torch.equal(want, ids)
+    head = Q2Head(weight)
+    assert torch.equal(head.argmax(hidden), want)
+    with cpu_ops.reference():
+        assert torch.equal(head.argmax(hidden[:20]), want[:20])
+    assert "q4" not in head.__dict__  # greedy proposals never build the 4-bit copy
+    logits = head.logits(hidden[:3])
+    assert isinstance(head.q4, Q4Head) and head.q4.packed.numel() == 2 * head.packed.numel()
+    assert torch.equal(logits, Q4Head(weight).logits(hidden[:3]))
+
+
+def test_q2_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        Q2Head(torch.randn(10, 96))
+    with pytest.raises(ValueError, match="candidates"):
+        Q2Head(torch.randn(10, 64), candidates=0)

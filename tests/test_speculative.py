@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_checkpoint
 from specwhisper import Engine
 from specwhisper.backends import cpu_ops
-from specwhisper.model.head import Q4Head, SubsetHead
+from specwhisper.model.head import Q2Head, Q4Head, SubsetHead
 from specwhisper.model.whisper import DecoderCache
 
 MAX_NEW = 40
@@ -157,12 +157,15 @@ def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, draft
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="C++ decode ops unavailable")
 def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, reference):
-    """A compact draft (the CPU default) reads a 4-bit copy of its output head (`Q4Head`); its
+    """A compact draft (the CPU default) reads a 2-bit copy of its output head (`Q2Head`; a
+    4-bit one, `Q4Head`, where its width is not a multiple of 64); its
     proposals are what that head says (counted), and the output stays exact, greedy and batched.
     A pruned head (draft_head_tokens) stays what was asked for."""
     engine = Engine(target, drafts["noisy"])
     head = engine.drafter.head
-    assert isinstance(head, Q4Head)  # its float32 rows are the embedding itself, not a copy
+    width = engine.drafter.draft.config.d_model
+    assert isinstance(head, Q2Head if width % 64 == 0 else Q4Head) and type(head) is not SubsetHead
+    # its float32 rows are the embedding itself, not a copy
     assert head.weight.data_ptr() == engine.drafter.draft.model.decoder.embed_tokens.weight.data_ptr()
     calls = []
     argmax = head.argmax

@@ -181,6 +181,11 @@ def q4_argmax(hidden, packed, scale, weight, candidates, banned):
     return _ops().q4_argmax(hidden, packed, scale, weight, candidates, banned)
 
 
+def q2_argmax(hidden, packed, scale, weight, candidates, banned):
+    """The C++ form of `head.Q2Head.argmax_reference` (callers check `active` first)."""
+    return _ops().q2_argmax(hidden, packed, scale, weight, candidates, banned)
+
+
 def q4_logits(hidden, packed, scale, weight, candidates):
     """The C++ form of `head.Q4Head.logits_reference` (callers check `active` first)."""
     return _ops().q4_logits(hidden, packed, scale, weight, candidates)

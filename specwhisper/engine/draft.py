@@ -12,7 +12,7 @@ import torch
 
 from ..constants import MAX_ADAPTIVE_K as MAX_K
 from ..backends import cpu_ops
-from ..model.head import Q4_CHUNK, Q4Head, SubsetHead
+from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
 from .vocab import VocabMap
 
@@ -88,7 +88,7 @@ class Drafter:
     @functools.cached_property
     def head(self):
         """The draft's greedy head: the target's screened head where the two are equal, a pruned
-        head (`head_tokens`), a compact draft's 4-bit head (`compact_head`), else the draft's own
+        head (`head_tokens`), a compact draft's 2- or 4-bit head (`compact_head`), else the draft's own
         (built here, at its first use, only where none of those replaced it)."""
         return self.draft.head
 
@@ -153,8 +153,8 @@ class Drafter:
         return greedy_tokens(self.draft, self.head, hidden, banned)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits [B, T, V] sampled rows draft from: a compact draft's 4-bit head's
-        (`Q4Head.logits`: an eighth of the float32 head's bytes, the race's likely winners exact),
+        """The logits [B, T, V] sampled rows draft from: a compact draft's 4-bit copy's
+        (`Q4Head.logits`, also `Q2Head`'s: an eighth of the float32 head's bytes, the race's likely winners exact),
         else the draft's own float32 head."""
         if isinstance(self.head, Q4Head):
             return self.head.logits(hidden)
@@ -250,15 +250,18 @@ class Drafter:
 
 
 def compact_draft_head(model) -> Q4Head | None:
-    """A compact draft's greedy head: a 4-bit copy of its output head (`Q4Head`: half the int8
-    screen's bytes, the best of 16 approximate logits rechecked in float32), where the C++ ops run
-    it (float32 CPU weights, features a multiple of 32); None elsewhere. Base's distilled draft, 2
-    threads of a Zen 4 EPYC: its head 1.1 -> 0.54 ms, about half of its step."""
+    """A compact draft's greedy head where the C++ ops run it (float32 CPU weights): a 2-bit copy
+    of its output head (`Q2Head`, features a multiple of 64: a quarter of the int8 screen's bytes),
+    else a 4-bit one (`Q4Head`, a multiple of 32); the best 16 approximate logits rechecked in
+    float32. None elsewhere. Base's distilled draft, 2 threads of a Zen 4 EPYC: its head 1.1 ->
+    0.54 ms in 4 bits, about half of its step; 2 threads of a Zen 3 EPYC, right after a verify
+    pass, 60 alternated rounds: 4 -> 2 bits 1.05 -> 0.74 ms for one row (paired 0.72x), 0.96x for
+    four."""
     weight = model.decoder.embed_tokens.weight
     if (not cpu_ops.available() or weight.device.type != "cpu" or weight.dtype != torch.float32
             or weight.shape[1] % Q4_CHUNK):
         return None
-    return Q4Head(weight.detach())
+    return Q2Head(weight.detach()) if weight.shape[1] % Q2_CHUNK == 0 else Q4Head(weight.detach())
 
 
 def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,8 @@ class Engine:
         lowest target-spellable text ids (a cheaper draft head; output stays exact);
         `compact_draft`: store the draft decoder's projection weights and its cross-attention
         K/V in bfloat16, its C++ step reading int8 copies of the projections (a quarter of the
-        float32 bytes of a draft step) and a 4-bit copy of its output head (`Q4Head`), and run a
+        float32 bytes of a draft step) and a 2-bit copy of its output head (`Q2Head`; 4-bit,
+        `Q4Head`, where its width is not a multiple of 64), and run a
         draft's own encoder cheaper (int8 projections or bfloat16, attention within 3-second
         blocks); the output stays exact, the target verifies every proposal; None:
         on for float32 drafts on the CPU when the C++ decode ops are built, except a self draft
