@@ -15,6 +15,7 @@ MAX_INITIAL_TIMESTAMP = 1.0  # seconds: openai's latest first timestamp of a win
 
 MAX_DRAFT_TOKENS = 16  # the most draft tokens one verify pass checks (a row's k)
 MAX_ADAPTIVE_K = 8  # the largest k adaptive drafting chooses
+CROSS_POOL = 2  # audio positions a compact CPU draft's cross-attention K/V average (`DraftSide`)
 
 NO_PROPOSAL = -1  # a proposal slot without a usable draft token
 NO_LIMIT = -1  # max_initial_timestamp index: no limit

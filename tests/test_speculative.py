@@ -683,3 +683,37 @@ def test_pruned_draft_head_is_exact(target, drafts, mels, reference):
     engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
     proposed = torch.cat(seen)
     assert len(proposed) > 0 and bool(torch.isin(proposed, keep).all())
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="C++ decode ops unavailable")
+@pytest.mark.parametrize("kind", ["noisy", "wrong"])  # the target's encoder output / its own encoder
+def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mels, reference, kind, monkeypatch):
+    """A compact CPU draft keeps its cross-attention K/V as the means of CROSS_POOL adjacent
+    positions (`draft.pool_positions`): exactly those of the full K/V it would have kept, its
+    output unchanged, greedy and sampled, and its cost calibration runs on the pooled cache."""
+    from specwhisper.backends.cpu import CpuBackend
+    from specwhisper.constants import CROSS_POOL
+    from specwhisper.engine.draft import pool_positions
+
+    x = torch.arange(2 * 1 * 2 * 6 * 3, dtype=torch.float32).view(2, 1, 2, 6, 3)
+    assert torch.equal(pool_positions(x, 2), (x[:, :, :, 0::2] + x[:, :, :, 1::2]) / 2)
+    assert pool_positions(x, 1) is x
+    pooled = Engine(target, drafts[kind])
+    side = pooled.runner.draft_side
+    assert side.pool == CROSS_POOL == 2 and side.cache.cross_k.shape[3] == 1500 // CROSS_POOL
+    out = pooled.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    assert [o.tokens for o in out] == reference[:2]
+    monkeypatch.setattr(CpuBackend, "draft_cross_pool", lambda self, decoder, dtype: 1)
+    full = Engine(target, drafts[kind])
+    assert full.runner.draft_side.pool == 1 and full.runner.draft_side.cache.cross_k.shape[3] == 1500
+    full.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    for a, b in ((side.cache.cross_k, full.runner.draft_side.cache.cross_k),
+                 (side.cache.cross_v, full.runner.draft_side.cache.cross_v)):
+        assert a.dtype == b.dtype and torch.equal(a[:, :2], pool_positions(b[:, :2], 2).to(a.dtype))
+    monkeypatch.undo()
+    sampled = pooled.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW, temperature=1.0, seed=5,
+                                num_draft_tokens=3)
+    plain = Engine(target).transcribe(mels[0], language="en", max_new_tokens=MAX_NEW, temperature=1.0, seed=5)
+    assert sampled.tokens == plain.tokens and sampled.stats.drafted > 0
+    costs = pooled.drafter.measure_costs(pooled.device, torch.float32, rounds=1)
+    assert costs["cost_ratio"] > 0 and (costs["setup_seconds"] > 0) == (not pooled.drafter.shared_encoder)

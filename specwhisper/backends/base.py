@@ -76,6 +76,11 @@ class Backend:
         """The dtype of a draft decoder's cross-attention K/V cache (None: `dtype`)."""
         return None
 
+    def draft_cross_pool(self, decoder, dtype: torch.dtype) -> int:
+        """How many adjacent audio positions a draft decoder's cross-attention K/V are averaged
+        over (`drafting.DraftSide`; 1: all 1500 kept)."""
+        return 1
+
     # ---------------------------------------------------------------- steps
     def step_graphs(self, enabled: bool | None):
         """The runner's `graphs` (`graphs.StepGraphs`) for Engine(cuda_graphs=enabled), or None

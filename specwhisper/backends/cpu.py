@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_ops
+from ..constants import CROSS_POOL
 from .base import Backend
 
 
@@ -53,3 +54,8 @@ class CpuBackend(Backend):
     def draft_cross_dtype(self, decoder, dtype: torch.dtype) -> torch.dtype | None:
         # a compact draft reads its cross-attention K/V in bfloat16 too (half the bytes per step)
         return torch.bfloat16 if decoder.compact and dtype == torch.float32 else None
+
+    def draft_cross_pool(self, decoder, dtype: torch.dtype) -> int:
+        # a compact draft attends over the means of 2 adjacent positions (40 ms of audio): half
+        # the cross K/V bytes of its step, a proposal's input only (`draft.pool_positions`)
+        return CROSS_POOL if decoder.compact and dtype == torch.float32 else 1

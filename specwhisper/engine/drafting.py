@@ -15,7 +15,7 @@ import torch
 from ..constants import NO_PROPOSAL
 from ..model.whisper import DecoderCache
 from .choosing import Modes, Rows, choose_tokens
-from .draft import Drafter
+from .draft import Drafter, pool_positions
 from .rules import RuleTables
 from .slots import SeqSpec, SlotState
 
@@ -30,8 +30,15 @@ class DraftSide:
         self.state, self.device, self.dtype, self.target_cache = state, device, dtype, target_cache
         self.rule_tables, self.sampling_rule, self.trim = rule_tables, sampling_rule, trim
         self.max_pos = d.target.config.max_target_positions
+        ddec = d.draft.model.decoder
+        # a compact CPU draft attends over the means of `pool` adjacent audio positions (half its
+        # cross K/V bytes, read every draft step; `pool_positions`); only its proposals change
+        self.pool = backend.draft_cross_pool(ddec, dtype)
+        positions = d.draft.config.max_source_positions
+        if positions % self.pool:
+            self.pool = 1
         self.cache = DecoderCache.allocate(d.draft.config, slots, device, dtype,
-                                           backend.draft_cross_dtype(d.draft.model.decoder, dtype))
+                                           backend.draft_cross_dtype(ddec, dtype), positions // self.pool)
         self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
         self.d2t = d.draft_to_target.to(device)
         self.noise_ids = d.noise_ids.to(device)
@@ -52,14 +59,22 @@ class DraftSide:
             # the target's K/V of those layers, in the target's dtype (a compact draft's own
             # projections would use its bfloat16-rounded weights; the copy is what it was trained on)
             src = torch.tensor(d.cross_sources, device=self.device)
-            rows.cross_k.copy_(self.target_cache.cross_k[:, s:s + 1].index_select(0, src))
-            rows.cross_v.copy_(self.target_cache.cross_v[:, s:s + 1].index_select(0, src))
+            rows.cross_k.copy_(pool_positions(self.target_cache.cross_k[:, s:s + 1].index_select(0, src), self.pool))
+            rows.cross_v.copy_(pool_positions(self.target_cache.cross_v[:, s:s + 1].index_select(0, src), self.pool))
         else:
+            full = rows
+            if self.pool > 1:  # the whole positions first, then their means
+                full = DecoderCache(rows.self_k, rows.self_v,
+                                    *(t.new_empty(t.shape[:3] + (t.shape[3] * self.pool, t.shape[4]))
+                                      for t in (rows.cross_k, rows.cross_v)))
             if d.shared_encoder:
-                ddec.fill_cross(rows, features[None])
+                ddec.fill_cross(full, features[None])
             else:
                 dfeat, frames = d.encode(draft_mel.to(self.device, self.dtype))
-                ddec.fill_cross(rows, dfeat, frames=frames)
+                ddec.fill_cross(full, dfeat, frames=frames)
+            if full is not rows:
+                rows.cross_k.copy_(pool_positions(full.cross_k, self.pool))
+                rows.cross_v.copy_(pool_positions(full.cross_v, self.pool))
         dprompt = d.prompt(spec)
         P = len(dprompt)
         ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],

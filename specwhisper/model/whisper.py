@@ -169,10 +169,13 @@ class DecoderCache:
     cross_v: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: WhisperConfig, batch: int, device, dtype, cross_dtype=None) -> "DecoderCache":
+    def allocate(cls, cfg: WhisperConfig, batch: int, device, dtype, cross_dtype=None,
+                 cross_positions: int | None = None) -> "DecoderCache":
+        """Zeroed caches for `batch` rows; `cross_positions`: the cross K/V's positions (default:
+        the encoder's, 1500; a pooled draft's fewer)."""
         h = cfg.decoder_attention_heads
         shape = (cfg.decoder_layers, batch, h, cfg.max_target_positions + 1, cfg.d_model // h)
-        cross = (cfg.decoder_layers, batch, h, cfg.max_source_positions, cfg.d_model // h)
+        cross = (cfg.decoder_layers, batch, h, cross_positions or cfg.max_source_positions, cfg.d_model // h)
         def new(s, t=dtype):  # CPU caches in huge pages, faulted in as slots first write them
             if torch.device(device).type == "cpu":
                 return huge_zeros(s, t)
