@@ -163,8 +163,8 @@ def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, ref
     A pruned head (draft_head_tokens) stays what was asked for."""
     engine = Engine(target, drafts["noisy"])
     head = engine.drafter.head
-    width = engine.drafter.draft.config.d_model
-    assert isinstance(head, Q2Head if width % 64 == 0 else Q4Head) and type(head) is not SubsetHead
+    two_bit = engine.drafter.shared_encoder and engine.drafter.draft.config.d_model % 64 == 0
+    assert type(head) is (Q2Head if two_bit else Q4Head)
     # its float32 rows are the embedding itself, not a copy
     assert head.weight.data_ptr() == engine.drafter.draft.model.decoder.embed_tokens.weight.data_ptr()
     calls = []
@@ -688,9 +688,10 @@ def test_pruned_draft_head_is_exact(target, drafts, mels, reference):
 @pytest.mark.skipif(not cpu_ops.available(), reason="C++ decode ops unavailable")
 @pytest.mark.parametrize("kind", ["noisy", "wrong"])  # the target's encoder output / its own encoder
 def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mels, reference, kind, monkeypatch):
-    """A compact CPU draft keeps its cross-attention K/V as the means of CROSS_POOL adjacent
-    positions (`draft.pool_positions`): exactly those of the full K/V it would have kept, its
-    output unchanged, greedy and sampled, and its cost calibration runs on the pooled cache."""
+    """A compact CPU draft sharing the target's encoder keeps its cross-attention K/V as the means
+    of CROSS_POOL adjacent positions (`draft.pool_positions`): exactly those of the full K/V it
+    would have kept, its output unchanged, greedy and sampled, and its cost calibration runs on
+    the pooled cache. One with its own encoder keeps every position and a 4-bit head."""
     from specwhisper.backends.cpu import CpuBackend
     from specwhisper.constants import CROSS_POOL
     from specwhisper.engine.draft import pool_positions
@@ -700,7 +701,14 @@ def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mel
     assert pool_positions(x, 1) is x
     pooled = Engine(target, drafts[kind])
     side = pooled.runner.draft_side
-    assert side.pool == CROSS_POOL == 2 and side.cache.cross_k.shape[3] == 1500 // CROSS_POOL
+    if not pooled.drafter.shared_encoder:
+        assert kind == "wrong" and side.pool == 1 and side.cache.cross_k.shape[3] == 1500
+        assert type(pooled.drafter.head) is Q4Head
+        out = pooled.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+        assert [o.tokens for o in out] == reference[:2]
+        assert pooled.drafter.measure_costs(pooled.device, torch.float32, rounds=1)["setup_seconds"] > 0
+        return
+    assert kind == "noisy" and side.pool == CROSS_POOL == 2 and side.cache.cross_k.shape[3] == 1500 // CROSS_POOL
     out = pooled.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
     assert [o.tokens for o in out] == reference[:2]
     monkeypatch.setattr(CpuBackend, "draft_cross_pool", lambda self, decoder, dtype: 1)

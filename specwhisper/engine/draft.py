@@ -94,7 +94,7 @@ class Drafter:
 
     def compact_head(self) -> None:
         """A compact draft proposes through `compact_draft_head` unless a pruned head was asked for."""
-        head = None if self.pruned else compact_draft_head(self.draft.model)
+        head = None if self.pruned else compact_draft_head(self.draft.model, two_bit=self.shared_encoder)
         if head is not None:
             self.head = head
 
@@ -198,7 +198,7 @@ class Drafter:
         tdec, ddec = self.target.model.decoder, self.draft.model.decoder
         tcache = DecoderCache.allocate(self.target.config, 1, device, dtype)
         backend = self.draft.backend
-        pool = backend.draft_cross_pool(ddec, dtype)
+        pool = backend.draft_cross_pool(ddec, dtype) if self.shared_encoder else 1
         positions = self.draft.config.max_source_positions
         dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype, backend.draft_cross_dtype(ddec, dtype),
                                        positions // pool if positions % pool == 0 else positions)
@@ -276,10 +276,13 @@ def pool_positions(kv: torch.Tensor, pool: int) -> torch.Tensor:
     return kv.float().view(L, B, H, T // pool, pool, D).mean(dim=4)
 
 
-def compact_draft_head(model) -> Q4Head | None:
+def compact_draft_head(model, two_bit: bool = True) -> Q4Head | None:
     """A compact draft's greedy head where the C++ ops run it (float32 CPU weights): a 2-bit copy
-    of its output head (`Q2Head`, features a multiple of 64: a quarter of the int8 screen's bytes),
-    else a 4-bit one (`Q4Head`, a multiple of 32); the best 16 approximate logits rechecked in
+    of its output head (`Q2Head`, features a multiple of 64: a quarter of the int8 screen's bytes;
+    `two_bit`: drafts sharing the target's encoder. With its own encoder tiny.en's cheaper steps
+    had the controller probe it more, each probe paying that encoder: the demo 0.90-0.94x of
+    target-only where with the 4-bit head it stayed off at 1.02-1.04x), else a 4-bit one
+    (`Q4Head`, a multiple of 32); the best 16 approximate logits rechecked in
     float32. None elsewhere. Base's distilled draft, 2 threads of a Zen 4 EPYC: its head 1.1 ->
     0.54 ms in 4 bits, about half of its step; 2 threads of a Zen 3 EPYC, right after a verify
     pass, 60 alternated rounds: 4 -> 2 bits 1.05 -> 0.74 ms for one row (paired 0.72x), 0.96x for
@@ -288,7 +291,7 @@ def compact_draft_head(model) -> Q4Head | None:
     if (not cpu_ops.available() or weight.device.type != "cpu" or weight.dtype != torch.float32
             or weight.shape[1] % Q4_CHUNK):
         return None
-    return Q2Head(weight.detach()) if weight.shape[1] % Q2_CHUNK == 0 else Q4Head(weight.detach())
+    return Q2Head(weight.detach()) if two_bit and weight.shape[1] % Q2_CHUNK == 0 else Q4Head(weight.detach())
 
 
 def greedy_tokens(model, head, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,11 @@ class DraftSide:
         self.rule_tables, self.sampling_rule, self.trim = rule_tables, sampling_rule, trim
         self.max_pos = d.target.config.max_target_positions
         ddec = d.draft.model.decoder
-        # a compact CPU draft attends over the means of `pool` adjacent audio positions (half its
-        # cross K/V bytes, read every draft step; `pool_positions`); only its proposals change
-        self.pool = backend.draft_cross_pool(ddec, dtype)
+        # a compact CPU draft sharing the target's encoder attends over the means of `pool`
+        # adjacent audio positions (half its cross K/V bytes, read every draft step;
+        # `pool_positions`); only its proposals change. One with its own encoder keeps them all
+        # (`compact_draft_head` says why)
+        self.pool = backend.draft_cross_pool(ddec, dtype) if d.shared_encoder else 1
         positions = d.draft.config.max_source_positions
         if positions % self.pool:
             self.pool = 1
