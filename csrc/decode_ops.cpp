@@ -1218,6 +1218,20 @@ int32_t q4_dot_scalar(const int8_t* x, int64_t K, const uint8_t* blk, int j) {
 // alone do not keep ahead of (interleaving the thread's chunks block by block instead: 1.27x slower).
 constexpr int64_t kQ4Prefetch = 4096;
 
+// out[i * ldo + 2 j (+ 1)] = the sums of lanes 0-3 (4-7) of acc[i][j]: the 8 rows of a block (the
+// 4-bit and 2-bit heads' kernels).
+template <int MR>
+__attribute__((target("avx2,fma,f16c"))) inline void store_block_sums(const __m256i (&acc)[MR][4], int32_t* out,
+                                                                       int64_t ldo) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int32_t l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
+      out[i * ldo + 2 * j] = (l[0] + l[1]) + (l[2] + l[3]);
+      out[i * ldo + 2 * j + 1] = (l[4] + l[5]) + (l[6] + l[7]);
+    }
+}
+
 // out[i * ldo + j] = sum_k u[j, k] * p_i[k] for MR int8 rows of x and the 8 rows of one block: a
 // 32-byte load holds rows 2jj and 2jj+1 (16 bytes each); maddubs multiplies the unsigned nibbles
 // by the row's signed features (|pair sum| <= 2 * 15 * 127: no saturation), madd sums pairs into
@@ -1254,13 +1268,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t 
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) {
-      alignas(32) int32_t l[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
-      out[i * ldo + 2 * j] = (l[0] + l[1]) + (l[2] + l[3]);
-      out[i * ldo + 2 * j + 1] = (l[4] + l[5]) + (l[6] + l[7]);
-    }
+  store_block_sums<MR>(acc, out, ldo);
 }
 
 // products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
@@ -1335,13 +1343,7 @@ __attribute__((target("avx2,fma,f16c"))) void q2_block(const int8_t* x, int64_t 
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) {
-      alignas(32) int32_t l[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
-      out[i * ldo + 2 * j] = (l[0] + l[1]) + (l[2] + l[3]);
-      out[i * ldo + 2 * j + 1] = (l[4] + l[5]) + (l[6] + l[7]);
-    }
+  store_block_sums<MR>(acc, out, ldo);
 }
 
 // products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.

@@ -25,11 +25,13 @@ def exact_argmax(weight, hidden, banned=None):
 
 @needs_ops
 @pytest.mark.parametrize("level", [0, 1, 2])
-@pytest.mark.parametrize("V,K,N", [(8, 32, 1), (77, 32, 3), (1001, 64, 5), (5003, 384, 2), (4099, 512, 9)])
+@pytest.mark.parametrize("V,K,N", [(8, 32, 1), (8, 64, 1), (77, 32, 3), (77, 64, 3), (1001, 64, 5), (1001, 128, 5),
+                                   (5003, 384, 2), (4099, 512, 9)])
 def test_op_equals_reference(level, V, K, N):
     """Approximations, candidate order (ties to the lower id) and the float32 recheck: the same
     proposals as the reference, with no banned tokens, a shared [V] mask and per-row [N, V] masks,
-    at 1, 16 and more candidates than tokens; duplicate rows make exact ties."""
+    at 1, 16 and more candidates than tokens; duplicate rows make exact ties; the 4-bit and (K a
+    multiple of 64) the 2-bit copy."""
     gen = torch.Generator().manual_seed(V + K + N)
     weight = torch.randn(V, K, generator=gen) * torch.rand(V, 1, generator=gen)
     weight[5 % V] = weight[3 % V]
@@ -37,16 +39,17 @@ def test_op_equals_reference(level, V, K, N):
     hidden = torch.randn(N, K, generator=gen) * 4
     hidden[0] = weight[3 % V] * 10  # the duplicated rows are the best: the lower id wins
     masks = [None, torch.rand(V, generator=gen) < 0.3, torch.rand(N, V, generator=gen) < 0.5]
-    for candidates in (1, 16, V + 3):
-        head = Q4Head(weight, candidates)
-        for banned in masks:
-            with cpu_ops.vector_level(level):
-                got = head.argmax(hidden, banned)
-            with cpu_ops.reference():
-                want = head.argmax(hidden, banned)
-            assert torch.equal(got, want), (candidates, banned is None)
-    head = Q4Head(weight, V + 3)  # every token rechecked: the exact argmax
-    assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
+    for kind in (Q4Head, Q2Head) if K % 64 == 0 else (Q4Head,):  # the 2-bit copy: chunks of 64
+        for candidates in (1, 16, V + 3):
+            head = kind(weight, candidates)
+            for banned in masks:
+                with cpu_ops.vector_level(level):
+                    got = head.argmax(hidden, banned)
+                with cpu_ops.reference():
+                    want = head.argmax(hidden, banned)
+                assert torch.equal(got, want), (kind, candidates, banned is None)
+        head = kind(weight, V + 3)  # every token rechecked: the exact argmax
+        assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
 
 
 @needs_ops
@@ -159,31 +162,6 @@ def test_bad_shapes_are_refused():
 
 
 # ---------------------------------------------------------------- the 2-bit head (Q2Head)
-@needs_ops
-@pytest.mark.parametrize("level", [0, 1, 2])
-@pytest.mark.parametrize("V,K,N", [(8, 64, 1), (77, 64, 3), (1001, 128, 5), (5003, 384, 2), (4099, 512, 9)])
-def test_q2_op_equals_reference(level, V, K, N):
-    """As `test_op_equals_reference` for the 2-bit copy: the same proposals as its reference at
-    every vector level, with and without banned tokens, at 1, 16 and more candidates than tokens."""
-    gen = torch.Generator().manual_seed(V + K + N + 1)
-    weight = torch.randn(V, K, generator=gen) * torch.rand(V, 1, generator=gen)
-    weight[5 % V] = weight[3 % V]
-    weight[V - 1] = 0.0  # an all-zero row
-    hidden = torch.randn(N, K, generator=gen) * 4
-    hidden[0] = weight[3 % V] * 10
-    masks = [None, torch.rand(V, generator=gen) < 0.3, torch.rand(N, V, generator=gen) < 0.5]
-    for candidates in (1, 16, V + 3):
-        head = Q2Head(weight, candidates)
-        for banned in masks:
-            with cpu_ops.vector_level(level):
-                got = head.argmax(hidden, banned)
-            with cpu_ops.reference():
-                want = head.argmax(hidden, banned)
-            assert torch.equal(got, want), (candidates, banned is None)
-    head = Q2Head(weight, V + 3)  # every token rechecked: the exact argmax
-    assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
-
-
 @needs_ops
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_q2_extreme_products_and_odd_rows(level):
