@@ -98,6 +98,13 @@ class Drafter:
         if head is not None:
             self.head = head
 
+    def cross_pool(self, dtype: torch.dtype) -> int:
+        """The audio positions each of the draft's cross K/V averages (`pool_positions`): the
+        backend's choice for a draft sharing the target's encoder, 1 for one with its own
+        (`compact_draft_head` says why) or where it does not divide the positions."""
+        pool = self.draft.backend.draft_cross_pool(self.draft.model.decoder, dtype) if self.shared_encoder else 1
+        return pool if self.draft.config.max_source_positions % pool == 0 else 1
+
     def head_ids(self, n: int) -> torch.Tensor:
         """The draft's `n` lowest text ids the target can spell (BPE ids follow merge order, not
         English frequency: 12% of bench/cpu.py's tokens lie above 8192), plus EOT: what a pruned
@@ -197,11 +204,9 @@ class Drafter:
         arguments."""
         tdec, ddec = self.target.model.decoder, self.draft.model.decoder
         tcache = DecoderCache.allocate(self.target.config, 1, device, dtype)
-        backend = self.draft.backend
-        pool = backend.draft_cross_pool(ddec, dtype) if self.shared_encoder else 1
-        positions = self.draft.config.max_source_positions
-        dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype, backend.draft_cross_dtype(ddec, dtype),
-                                       positions // pool if positions % pool == 0 else positions)
+        dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype,
+                                       self.draft.backend.draft_cross_dtype(ddec, dtype),
+                                       self.draft.config.max_source_positions // self.cross_pool(dtype))
         token = torch.full((1, 1), self.target.tokenizer.eot, device=device)
 
         def target_pass(rows):
@@ -241,20 +246,12 @@ class Drafter:
             # primitives (tiny.en: 3x a pass here), a cost paid once, not once per window. The
             # least of two passes: one timing alone read 13 and 19 plain passes in two runs on a
             # shared machine, enough to decide whether tiny.en drafts at all
-            full = DecoderCache.allocate(self.draft.config, 1, device, dtype, dcache.cross_k.dtype)
-
-            def draft_setup():  # as `DraftSide.start`: its encoder, its cross K/V, their means
-                ddec.fill_cross(full, self.draft.model.encoder(mel))
-                if pool > 1 and dcache.cross_k.shape[3] < full.cross_k.shape[3]:
-                    dcache.cross_k.copy_(pool_positions(full.cross_k, pool))
-                    dcache.cross_v.copy_(pool_positions(full.cross_v, pool))
-
-            draft_setup()
+            ddec.fill_cross(dcache, self.draft.model.encoder(mel))  # every position (`cross_pool`)
             setup = float("inf")
             for _ in range(2):
                 self.draft.backend.synchronize()
                 start = time.perf_counter()
-                draft_setup()
+                ddec.fill_cross(dcache, self.draft.model.encoder(mel))
                 self.draft.backend.synchronize()
                 setup = min(setup, time.perf_counter() - start)
         return dict(plain_seconds=min(times[1][1:]), verify_ratio=verify, cost_ratio=cost_ratio, setup_seconds=setup)
@@ -269,7 +266,8 @@ def pool_positions(kv: torch.Tensor, pool: int) -> torch.Tensor:
     0.701 / 0.709, sampled (T = 0.5, seed 1) 0.715 / 0.722 / 0.692, (seed 3) 0.748 / 0.728 / 0.681;
     tiny.en's 0.857 / 0.849 / 0.835 and 0.807 / 0.805 / 0.785. Whole calls with base-2l alternated
     in one process, pool 2 against 1 (paired medians): k = 3 0.954x (6 rounds), adaptive 0.946x
-    (4), sampled 0.952x (4); pool 3 greedy 0.950x but sampled 1.049x (acceptance 0.748 -> 0.681)."""
+    (4), sampled 0.952x (4); pool 3 greedy 0.950x but sampled 1.049x (acceptance 0.748 -> 0.681).
+    A draft with its own encoder (tiny.en) keeps every position (`Drafter.cross_pool`)."""
     if pool == 1:
         return kv
     L, B, H, T, D = kv.shape

@@ -30,17 +30,13 @@ class DraftSide:
         self.state, self.device, self.dtype, self.target_cache = state, device, dtype, target_cache
         self.rule_tables, self.sampling_rule, self.trim = rule_tables, sampling_rule, trim
         self.max_pos = d.target.config.max_target_positions
-        ddec = d.draft.model.decoder
         # a compact CPU draft sharing the target's encoder attends over the means of `pool`
-        # adjacent audio positions (half its cross K/V bytes, read every draft step;
-        # `pool_positions`); only its proposals change. One with its own encoder keeps them all
-        # (`compact_draft_head` says why)
-        self.pool = backend.draft_cross_pool(ddec, dtype) if d.shared_encoder else 1
-        positions = d.draft.config.max_source_positions
-        if positions % self.pool:
-            self.pool = 1
+        # adjacent audio positions (half its cross K/V bytes, read every draft step); only its
+        # proposals change (`Drafter.cross_pool`)
+        self.pool = d.cross_pool(dtype)
         self.cache = DecoderCache.allocate(d.draft.config, slots, device, dtype,
-                                           backend.draft_cross_dtype(ddec, dtype), positions // self.pool)
+                                           backend.draft_cross_dtype(d.draft.model.decoder, dtype),
+                                           d.draft.config.max_source_positions // self.pool)
         self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
         self.d2t = d.draft_to_target.to(device)
         self.noise_ids = d.noise_ids.to(device)
