@@ -1271,25 +1271,6 @@ __attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t 
   store_block_sums<MR>(acc, out, ldo);
 }
 
-// products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
-void q4_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
-  int64_t m = 0;
-  if (vec) {
-    if (N == 1) {
-      q4_block<1, true>(x, K, blk, products, kQB);
-      return;
-    }
-    for (; m + 2 <= N; m += 2) {
-      if (m == 0) q4_block<2, true>(x, K, blk, products, kQB);
-      else q4_block<2, false>(x + m * K, K, blk, products + m * kQB, kQB);
-    }
-    if (m < N) q4_block<1, false>(x + m * K, K, blk, products + m * kQB, kQB);
-  } else {
-    for (; m < N; ++m)
-      for (int j = 0; j < kQB; ++j) products[m * kQB + j] = q4_dot_scalar(x + m * K, K, blk, j);
-  }
-}
-
 // The 2-bit head (spec: head.py `Q2Head`): row v's u in 0..3 (2q = 2u - 3 in {-3, -1, 1, 3}), stored
 // [ceil(V/8), K/64, 8, 16]: per block of 8 rows and chunk of 64 features, row j's byte b holds u of
 // features b, b + 16, b + 32 and b + 48 in its bit pairs 0-1, 2-3, 4-5 and 6-7. Half the 4-bit
@@ -1346,32 +1327,36 @@ __attribute__((target("avx2,fma,f16c"))) void q2_block(const int8_t* x, int64_t 
   store_block_sums<MR>(acc, out, ldo);
 }
 
+// Bits-bit heads (4: `Q4Head`, 2: `Q2Head`): one block's kernel, the products of a block, and a
+// token's centered integer product (the exact q_v . p in the copy's integer units: 4-bit q = u - 8;
+// 2-bit 2q = 2u - 3).
+template <int Bits, int MR, bool PF>
+inline void quant_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out, int64_t ldo) {
+  if constexpr (Bits == 4) q4_block<MR, PF>(x, K, blk, out, ldo);
+  else q2_block<MR, PF>(x, K, blk, out, ldo);
+}
+
 // products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
-void q2_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
+template <int Bits>
+void quant_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
   int64_t m = 0;
   if (vec) {
     if (N == 1) {
-      q2_block<1, true>(x, K, blk, products, kQB);
+      quant_block<Bits, 1, true>(x, K, blk, products, kQB);
       return;
     }
     for (; m + 2 <= N; m += 2) {
-      if (m == 0) q2_block<2, true>(x, K, blk, products, kQB);
-      else q2_block<2, false>(x + m * K, K, blk, products + m * kQB, kQB);
+      if (m == 0) quant_block<Bits, 2, true>(x, K, blk, products, kQB);
+      else quant_block<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB);
     }
-    if (m < N) q2_block<1, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    if (m < N) quant_block<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB);
   } else {
     for (; m < N; ++m)
-      for (int j = 0; j < kQB; ++j) products[m * kQB + j] = q2_dot_scalar(x + m * K, K, blk, j);
+      for (int j = 0; j < kQB; ++j)
+        products[m * kQB + j] = Bits == 4 ? q4_dot_scalar(x + m * K, K, blk, j) : q2_dot_scalar(x + m * K, K, blk, j);
   }
 }
 
-// Bits-bit heads: the products of a block, and a token's centered integer product (the exact
-// q_v . p in the copy's integer units: 4-bit q = u - 8; 2-bit 2q = 2u - 3).
-template <int Bits>
-inline void quant_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
-  if (Bits == 4) q4_products(x, N, K, blk, vec, products);
-  else q2_products(x, N, K, blk, vec, products);
-}
 template <int Bits>
 inline int32_t centered(int32_t product, int32_t hsum) {
   return Bits == 4 ? product - 8 * hsum : 2 * product - 3 * hsum;
@@ -1530,7 +1515,7 @@ at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const a
     std::vector<int32_t> products(N * kQB);
     for (int64_t c = c0; c < c1; ++c) {
       for (int64_t b = c * per_chunk; b < std::min(blocks, (c + 1) * per_chunk); ++b) {
-        q4_products(xq, N, K, qp + b * kQB * K / 2, vec, products.data());
+        quant_products<4>(xq, N, K, qp + b * kQB * K / 2, vec, products.data());
         for (int64_t r = 0; r < N; ++r)
           for (int64_t v = b * kQB; v < std::min(V, (b + 1) * kQB); ++v) {
             const float a = static_cast<float>(products[r * kQB + v - b * kQB] - 8 * hsum[r]) * (sp[v] * step[r]);

@@ -52,20 +52,15 @@ def test_op_equals_reference(level, V, K, N):
         assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
 
 
-@needs_ops
-@pytest.mark.parametrize("level", [0, 1, 2])
-def test_extreme_products_and_odd_rows(level):
-    """Weights at -7 and 7 against hidden rows at ±127 (the largest maddubs pair sums), a zero
-    hidden row, rows with a NaN or an infinity, every token banned in one row, no rows at all."""
-    V, K = 203, 512
-    weight = torch.where(torch.arange(K) % 3 == 0, -1.0, 7 / 8).repeat(V, 1) * torch.linspace(0.5, 2, V)[:, None]
-    weight[7, :] = -1.0
+def odd_rows_agree(head, level):
+    """A head's op against its reference on hidden rows at ±127 (the largest maddubs sums), a zero
+    hidden row, rows with a NaN or an infinity, every token banned in one row, and no rows at all."""
+    V, K = head.weight.shape
     hidden = torch.stack([torch.full((K,), 5.0), torch.full((K,), -5.0), torch.zeros(K),
                           torch.full((K,), float("nan")), torch.randn(K), torch.randn(K)])
     hidden[5, 3] = float("inf")
     banned = torch.zeros(6, V, dtype=torch.bool)
     banned[4] = True
-    head = Q4Head(weight, 4)
     with cpu_ops.vector_level(level):
         got = head.argmax(hidden, banned)
         empty = head.argmax(hidden[:0])
@@ -75,6 +70,16 @@ def test_extreme_products_and_odd_rows(level):
     assert got[4] == 0 and empty.shape == (0,)
     p = quantize_rows8(hidden)
     assert p[:2].abs().max() == 127 and (p[2:4] == 0).all() and (p[5] == 0).all()
+
+
+@needs_ops
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_extreme_products_and_odd_rows(level):
+    """Weights at -7 and 7 against the odd rows (`odd_rows_agree`)."""
+    V, K = 203, 512
+    weight = torch.where(torch.arange(K) % 3 == 0, -1.0, 7 / 8).repeat(V, 1) * torch.linspace(0.5, 2, V)[:, None]
+    weight[7, :] = -1.0
+    odd_rows_agree(Q4Head(weight, 4), level)
 
 
 @pytest.mark.parametrize("V", [13, 2 * 1024 + 13])  # one packing chunk, and three (1024 rows each)
@@ -165,8 +170,7 @@ def test_bad_shapes_are_refused():
 @needs_ops
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_q2_extreme_products_and_odd_rows(level):
-    """Every 2-bit level against hidden rows at ±127 (the largest maddubs sums), a zero hidden row,
-    rows with a NaN or an infinity, every token banned in one row, no rows at all."""
+    """Every 2-bit level against the odd rows (`odd_rows_agree`)."""
     V, K = 203, 512
     levels = torch.tensor([-1.5, -0.5, 0.5, 1.5])
     # a pattern whose sum does not cancel (exact logits far from rounding noise), and constant rows
@@ -174,20 +178,9 @@ def test_q2_extreme_products_and_odd_rows(level):
     weight = levels[torch.arange(K) % 3 + 1].repeat(V, 1) * torch.linspace(0.5, 2, V)[:, None]
     weight[7, :] = 1.5
     weight[8, :] = -1.5
-    hidden = torch.stack([torch.full((K,), 5.0), torch.full((K,), -5.0), torch.zeros(K),
-                          torch.full((K,), float("nan")), torch.randn(K), torch.randn(K)])
-    hidden[5, 3] = float("inf")
-    banned = torch.zeros(6, V, dtype=torch.bool)
-    banned[4] = True
     head = Q2Head(weight, 4)
     assert set(head.int2_weights().unique().tolist()) == {-3, -1, 1, 3}
-    with cpu_ops.vector_level(level):
-        got = head.argmax(hidden, banned)
-        empty = head.argmax(hidden[:0])
-    with cpu_ops.reference():
-        want = head.argmax(hidden, banned)
-    assert torch.equal(got, want)
-    assert got[4] == 0 and empty.shape == (0,)
+    odd_rows_agree(head, level)
 
 
 @pytest.mark.parametrize("V", [13, 2 * 1024 + 13])

@@ -309,28 +309,53 @@ class Q4Head:
     [ceil(V/8), K/32, 8, 16]: per block of 8 rows and chunk of 32 features, row j's byte b holds
     q + 8 of feature b (low nibble) and of feature b + 16 (high nibble)."""
 
+    BITS, CHUNK, PAD = 4, Q4_CHUNK, 8  # bits a weight; features a packed chunk; the padding rows' code
+    SCALE = 1.0  # the stored scale per row step (`scale`: what the approximate logits multiply)
+
     def __init__(self, weight: torch.Tensor, candidates: int = Q4_CANDIDATES):
         V, K = weight.shape
-        if K % Q4_CHUNK or K > 16384:
-            raise ValueError(f"a 4-bit head needs features in multiples of {Q4_CHUNK} (at most 16384), got {K}")
+        if K % self.CHUNK or K > 16384:
+            raise ValueError(f"a {self.BITS}-bit head needs features in multiples of {self.CHUNK} (at most "
+                             f"16384), got {K}")
         if candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {candidates}")
         self.weight = weight.float().contiguous()
         self.candidates = candidates
         w = self.weight
-        s = w.abs().amax(dim=1) / 7
-        self.scale = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 exactly
-        blocks = -(-V // BLOCK)
-        self.packed = huge_zeros((blocks, K // Q4_CHUNK, BLOCK, 16), torch.uint8)  # [blocks, K/32, 8, 16]
+        step = self.row_steps(w)
+        self.scale = step * self.SCALE
+        blocks, per = -(-V // BLOCK), 8 // self.BITS  # codes a byte
+        self.packed = huge_zeros((blocks, K // self.CHUNK, BLOCK, 16), torch.uint8)  # [blocks, K/CHUNK, 8, 16]
         # 1024 rows at a time, each row on its own (the same bytes): the float temporaries of the
         # whole head at once (100 MB each for base's) made a draft's Engine 0.4 s slower to build
         for b0 in range(0, blocks, 128):
             r0, r1 = b0 * BLOCK, min(V, (b0 + 128) * BLOCK)
             nb = min(128, blocks - b0)
-            u = torch.full((nb * BLOCK, K), 8, dtype=torch.uint8)  # padding rows: q = 0
-            u[:r1 - r0] = ((w[r0:r1] / self.scale[r0:r1, None]).round().clamp(-8, 7) + 8).to(torch.uint8)
-            u = u.view(nb, BLOCK, K // Q4_CHUNK, 2, 16)  # [block, row, chunk, low/high half, byte]
-            self.packed[b0:b0 + nb] = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).transpose(1, 2)
+            u = torch.full((nb * BLOCK, K), self.PAD, dtype=torch.uint8)
+            u[:r1 - r0] = self.codes(w[r0:r1], step[r0:r1, None])
+            u = u.view(nb, BLOCK, K // self.CHUNK, per, 16)  # [block, row, chunk, code in the byte, byte]
+            packed = u[:, :, :, 0]
+            for i in range(1, per):
+                packed = packed | (u[:, :, :, i] << (self.BITS * i))
+            self.packed[b0:b0 + nb] = packed.transpose(1, 2)
+
+    @staticmethod
+    def row_steps(w: torch.Tensor) -> torch.Tensor:
+        """s_v = max|w_v| / 7 (an all-zero row: 1, so q = 0 exactly)."""
+        s = w.abs().amax(dim=1) / 7
+        return torch.where(s > 0, s, torch.ones_like(s))
+
+    @staticmethod
+    def codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """The stored codes u = q + 8 of rows w, q = round(w / s) in -8..7."""
+        return ((w / step).round().clamp(-8, 7) + 8).to(torch.uint8)
+
+    def unpacked(self) -> torch.Tensor:
+        """The codes u [V, K] uint8, from `packed` (the references read them; no second copy is kept)."""
+        blocks, chunks = self.packed.shape[:2]
+        mask = (1 << self.BITS) - 1
+        u = torch.cat([(self.packed >> (self.BITS * i)) & mask for i in range(8 // self.BITS)], dim=-1)
+        return u.transpose(1, 2).reshape(blocks * BLOCK, chunks * self.CHUNK)[:self.weight.shape[0]]
 
     def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, d] -> proposals [N] (`banned`: [V] or [N, V] bool tokens never proposed)."""
@@ -363,17 +388,17 @@ class Q4Head:
         return out
 
     def int4_weights(self) -> torch.Tensor:
-        """q [V, K] int8 in -7..7, unpacked from `packed` (the references read it; no second copy is
-        kept: base's would be 26.5 MB)."""
-        blocks, chunks = self.packed.shape[:2]
-        u = torch.cat([self.packed & 0x0F, self.packed >> 4], dim=-1)  # [blocks, K/32, 8, 32]
-        q = u.transpose(1, 2).reshape(blocks * BLOCK, chunks * Q4_CHUNK)[:self.weight.shape[0]]
-        return q.to(torch.int8) - 8
+        """q [V, K] int8 in -7..7, unpacked from `packed` (base's would be 26.5 MB kept)."""
+        return self.unpacked().to(torch.int8) - 8
+
+    def integer_weights(self) -> torch.Tensor:
+        """The integer rows the products use (`int4_weights`)."""
+        return self.int4_weights()
 
     def products(self, hidden: torch.Tensor) -> torch.Tensor:
         """fl(P) [N, V]: the exact integer products of the int8 rows (`quantize_rows8`) and the
-        4-bit copy (float64 sums of integers < 2^53)."""
-        return (quantize_rows8(hidden).double() @ self.int4_weights().double().T).float()
+        copy's integer rows (float64 sums of integers < 2^53)."""
+        return (quantize_rows8(hidden).double() @ self.integer_weights().double().T).float()
 
     def approx(self, hidden: torch.Tensor) -> torch.Tensor:
         """fl(fl(P) s_v) [N, V]: the approximate logits `argmax` ranks."""
@@ -418,28 +443,22 @@ class Q2Head(Q4Head):
     and chunk of 64 features, row j's byte b holds q + 1.5 of features b, b + 16, b + 32, b + 48 in
     its bit pairs 0-1, 2-3, 4-5 and 6-7."""
 
+    BITS, CHUNK, PAD = 2, Q2_CHUNK, 0  # padding rows: u = 0, never offered
+    SCALE = 0.5  # the step of 2 q
+
     def __init__(self, weight: torch.Tensor, candidates: int = Q2_CANDIDATES):
-        V, K = weight.shape
-        if K % Q2_CHUNK or K > 16384:
-            raise ValueError(f"a 2-bit head needs features in multiples of {Q2_CHUNK} (at most 16384), got {K}")
-        if candidates < 1:
-            raise ValueError(f"candidates must be >= 1, got {candidates}")
-        self.weight = weight.float().contiguous()
-        self.candidates = candidates
-        w = self.weight
+        super().__init__(weight, candidates)
+
+    @staticmethod
+    def row_steps(w: torch.Tensor) -> torch.Tensor:
+        """s_v = the row's standard deviation (an all-zero row: 1)."""
         s = w.std(dim=1)
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        self.scale = s / 2  # the step of 2 q
-        blocks = -(-V // BLOCK)
-        self.packed = huge_zeros((blocks, K // Q2_CHUNK, BLOCK, 16), torch.uint8)  # [blocks, K/64, 8, 16]
-        for b0 in range(0, blocks, 128):  # 1024 rows at a time (`Q4Head`)
-            r0, r1 = b0 * BLOCK, min(V, (b0 + 128) * BLOCK)
-            nb = min(128, blocks - b0)
-            u = torch.zeros(nb * BLOCK, K, dtype=torch.uint8)  # padding rows: u = 0, never offered
-            u[:r1 - r0] = ((w[r0:r1] / s[r0:r1, None] - 0.5).round().clamp(-2, 1) + 2).to(torch.uint8)
-            u = u.view(nb, BLOCK, K // Q2_CHUNK, 4, 16)  # [block, row, chunk, bit pair, byte]
-            packed = u[:, :, :, 0] | (u[:, :, :, 1] << 2) | (u[:, :, :, 2] << 4) | (u[:, :, :, 3] << 6)
-            self.packed[b0:b0 + nb] = packed.transpose(1, 2)
+        return torch.where(s > 0, s, torch.ones_like(s))
+
+    @staticmethod
+    def codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """u = q + 1.5 of rows w, q the level in {-1.5, -0.5, 0.5, 1.5} nearest to w / s."""
+        return ((w / step - 0.5).round().clamp(-2, 1) + 2).to(torch.uint8)
 
     @functools.cached_property
     def q4(self) -> Q4Head:
@@ -460,11 +479,7 @@ class Q2Head(Q4Head):
 
     def int2_weights(self) -> torch.Tensor:
         """2 q [V, K] int8 in {-3, -1, 1, 3}, unpacked from `packed`."""
-        blocks, chunks = self.packed.shape[:2]
-        u = torch.cat([(self.packed >> (2 * i)) & 3 for i in range(4)], dim=-1)  # [blocks, K/64, 8, 64]
-        u = u.transpose(1, 2).reshape(blocks * BLOCK, chunks * Q2_CHUNK)[:self.weight.shape[0]]
-        return 2 * u.to(torch.int8) - 3
+        return 2 * self.unpacked().to(torch.int8) - 3
 
-    def products(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fl(2 q_v . p) [N, V]: exact integer products (float64 sums of integers < 2^53)."""
-        return (quantize_rows8(hidden).double() @ self.int2_weights().double().T).float()
+    def integer_weights(self) -> torch.Tensor:
+        return self.int2_weights()
