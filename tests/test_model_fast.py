@@ -71,6 +71,27 @@ def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
                     assert torch.equal(cpu_ops.linear(x, weight[a:b].contiguous()), full[:, a:b]), (M, level, a, b)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [72, 520, 2048])
+def test_linear_blocks_of_many_rows_give_each_rows_bits(wdtype, K):
+    """16 rows and more (a prompt pass, cross K/V, a window's logits) run in blocks of rows that
+    fit in L2 (96 KB of features: 45 rows of 520 features, 12 of 2048, 336 of 72), each block
+    against every weight tile in groups of 3: every output is still the bits of its row alone,
+    across whole blocks, a last partial block and a last partial group, at each vector level."""
+    gen = torch.Generator().manual_seed(K)
+    weight = torch.randn(61, K, generator=gen).to(wdtype)
+    bias = torch.randn(61, generator=gen)
+    x = torch.randn(350, K, generator=gen)
+    for M in [16, 29, 50, 350]:
+        for level in (2, 1):
+            with cpu_ops.vector_level(level):
+                full = cpu_ops.linear(x[:M], weight, bias)
+                rows = range(M) if M < 100 else range(0, M, 7)
+                for i in rows:
+                    assert torch.equal(cpu_ops.linear(x[i:i + 1], weight, bias), full[i:i + 1]), (M, level, i)
+                assert torch.equal(cpu_ops.linear(x[:M], weight[5:40].contiguous(), bias[5:40]), full[:, 5:40])
+
+
 @pytest.mark.parametrize("K", [3, 64, 100, 300, 512])  # 3, 100, 300: scalar tails after the groups of 8
 def test_float16_weights_give_the_bits_of_their_float32_values(K):
     """float16 weights are widened exactly where they are read (F16C; AVX-512; the scalar twin):
