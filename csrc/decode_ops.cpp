@@ -513,13 +513,6 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
   // one process on a Zen 4 EPYC, 5 queries 2.05 -> 1.87 ms, 9 queries 2.76 -> 2.54 with the AVX2
   // tiles for K < 128 (the linears, K = 512 and 2048, unchanged)
   const bool pairs = vec && M >= 2 && vector_level() >= 2 && K >= 128;
-  // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
-  // so the same bits) instead of once per group of kMR rows. float16 weights are widened as they
-  // are read (one instruction, F16C): widened first, without the next tile's prefetch, base's 4-
-  // and 5-row verify passes ran 1.2x slower than on float32 weights (2 threads, Zen 3 EPYC, cold,
-  // alternated in one process), widened as read 0.77-0.89x at 1..9 rows
-  const bool widen_tile = vec && !pairs && std::is_same<W, bf16>::value && M > kMR;
-  std::vector<float> wide(widen_tile ? kNR * K : 0);
   // many rows (a prompt pass, the cross K/V projections, the logits of a window's tokens): blocks
   // of rows that stay in L2 (kManyBytes of features) against every tile, in groups of 3 (16 bytes
   // of features a cycle from L2, where the 4-5 row halves that read each weight byte once for a
@@ -531,6 +524,15 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
   // 96 KB blocks measured alike to 128 KB, 64 KB slower; the demo's whole call 0.986x (paired).
   const bool many = vec && M >= kManyRows;
   const int64_t block = many ? std::max<int64_t>(kMR, kManyBytes / (K * int64_t{sizeof(float)}) / kMR * kMR) : M;
+  // bfloat16 weights with several row groups: widen each weight tile once into float32 (exact,
+  // so the same bits) instead of once per group of kMR rows. float16 weights are widened as they
+  // are read (one instruction, F16C): widened first, without the next tile's prefetch, base's 4-
+  // and 5-row verify passes ran 1.2x slower than on float32 weights (2 threads, Zen 3 EPYC, cold,
+  // alternated in one process), widened as read 0.77-0.89x at 1..9 rows
+  // (not with many rows: there each tile would be widened once per block of rows, in scalar code;
+  // they widen bfloat16 as read, as float16)
+  const bool widen_tile = vec && !pairs && std::is_same<W, bf16>::value && M > kMR && !many;
+  std::vector<float> wide(widen_tile ? kNR * K : 0);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t rows = std::min(block, M - m0);
     const float* xb = x + m0 * K;
@@ -541,7 +543,7 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
       if (widen_tile) {
         for (int64_t j = 0; j < kNR; ++j)
           for (int64_t i = 0; i < K; ++i) wide[j * K + i] = widen(wt[j * ws + i]);
-        rows_tile<float, kNR>(xb, rows, K, wide.data(), K, 0, out, ldo, Q, false, !many);
+        rows_tile<float, kNR>(xb, rows, K, wide.data(), K, 0, out, ldo, Q, false);
         continue;
       }
       if (pairs)
