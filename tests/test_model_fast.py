@@ -75,7 +75,7 @@ def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
 @pytest.mark.parametrize("K", [72, 520, 2048])
 def test_linear_blocks_of_many_rows_give_each_rows_bits(wdtype, K):
     """16 rows and more (a prompt pass, cross K/V, a window's logits) run in blocks of rows that
-    fit in L2 (96 KB of features: 45 rows of 520 features, 12 of 2048, 336 of 72), each block
+    fit in L2 (96 KB of features: 45 rows of 520 features, 12 of 2048, 339 of 72), each block
     against every weight tile in groups of 3: every output is still the bits of its row alone,
     across whole blocks, a last partial block and a last partial group, at each vector level."""
     gen = torch.Generator().manual_seed(K)
