@@ -25,12 +25,16 @@ constexpr int64_t kEncNR = 16;   // tile columns (queries): two ymm vectors
 constexpr int64_t kEncQ = 32;    // queries per work item: two tiles share each A micro-panel (4 vectors)
 constexpr int64_t kEncKC = 256;  // keys per block of the value product (64 to 512 measured alike)
 
-// c[6 × 16] (row stride ldc) = (first ? 0 : c) + Σ_k a[6k + r] · b[k · ldb + j]: FMAs over k in
-// order, one accumulator per (row, 8 columns). The accumulators are named, not an array: GCC kept
-// an array's elements on the stack, storing ten of them every step (a third of the FMA rate).
+// c[R × 16] (row stride ldc) = (first ? 0 : c) + Σ_k a[6k + r] · b[k · ldb + j]: FMAs over k in
+// order, one accumulator per (row, 8 columns); R = 6, or 4 for a last group of 4 rows (the
+// values' 64 channels: 10 groups of 6 and one of 4, whose 2 zero rows are skipped). The
+// accumulators are named, not an array: GCC kept an array's elements on the stack, storing ten of
+// them every step (a third of the FMA rate).
+template <int R>
 __attribute__((target("avx2,fma,f16c"))) inline void enc_tile(const float* a, const float* b, int64_t ldb, int64_t kc,
                                                               float* c, int64_t ldc, bool first) {
-#define ENC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+  static_assert(R == 6 || R == 4, "enc_tile: 6 or 4 rows");
+#define ENC_ROWS(X) X(0) X(1) X(2) X(3) if constexpr (R == 6) { X(4) X(5) }
 #define ENC_INIT(r)                                                            \
   __m256 c##r##0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc); \
   __m256 c##r##1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
@@ -43,7 +47,14 @@ __attribute__((target("avx2,fma,f16c"))) inline void enc_tile(const float* a, co
 #define ENC_STORE(r)                           \
   _mm256_storeu_ps(c + r * ldc, c##r##0);      \
   _mm256_storeu_ps(c + r * ldc + 8, c##r##1);
-  ENC_ROWS(ENC_INIT)
+  ENC_INIT(0) ENC_INIT(1) ENC_INIT(2) ENC_INIT(3)
+  __m256 c40 = _mm256_setzero_ps(), c41 = c40, c50 = c40, c51 = c40;  // unused when R = 4
+  if constexpr (R == 6) {
+    if (!first) {
+      c40 = _mm256_loadu_ps(c + 4 * ldc), c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
+      c50 = _mm256_loadu_ps(c + 5 * ldc), c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
+    }
+  }
   for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     ENC_ROWS(ENC_FMA)
@@ -93,6 +104,33 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 enc_exp(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 
+// r[a][b] = src[b · ld + a]: an 8 × 8 block of floats transposed into registers.
+__attribute__((target("avx2,fma,f16c"))) inline void enc_transpose8_regs(const float* src, int64_t ld, __m256* r) {
+  __m256 a[8], b[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(src + k * ld);
+  for (int k = 0; k < 8; k += 2) {
+    b[k] = _mm256_unpacklo_ps(a[k], a[k + 1]);
+    b[k + 1] = _mm256_unpackhi_ps(a[k], a[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    a[k] = _mm256_shuffle_ps(b[k], b[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    a[k + 1] = _mm256_shuffle_ps(b[k], b[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    a[k + 2] = _mm256_shuffle_ps(b[k + 1], b[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    a[k + 3] = _mm256_shuffle_ps(b[k + 1], b[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(a[k], a[k + 4], 0x20);
+    r[k + 4] = _mm256_permute2f128_ps(a[k], a[k + 4], 0x31);
+  }
+}
+
+// dst[a · ldd + b] = src[b · lds + a] over an 8 × 8 block.
+__attribute__((target("avx2,fma,f16c"))) inline void enc_transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8];
+  enc_transpose8_regs(src, lds, r);
+  for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + k * ldd, r[k]);
+}
+
 // One work item: queries q0 .. q0 + nq (nq <= 32) of head h. kp: the head's keys packed
 // ([Tr / 6][Dh][6]); vp: its values transposed and packed ([ceil(Dh / 6)][Tr][6]).
 __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q, int64_t ldq, int64_t nq, int64_t T,
@@ -100,14 +138,19 @@ __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q,
                                                                  float* out, int64_t ldo, float* qp, float* s,
                                                                  float* o) {
   const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
-  for (int64_t d = 0; d < Dh; ++d)  // Qᵀ [Dh][32], queries past nq zero
-    for (int64_t i = 0; i < kEncQ; ++i) qp[d * kEncQ + i] = i < nq ? q[i * ldq + d] : 0.0f;
+  if (nq == kEncQ && Dh % 8 == 0) {  // Qᵀ [Dh][32] by 8 × 8 blocks
+    for (int64_t i = 0; i < kEncQ; i += 8)
+      for (int64_t d = 0; d < Dh; d += 8) enc_transpose8(q + i * ldq + d, ldq, qp + d * kEncQ + i, kEncQ);
+  } else {
+    for (int64_t d = 0; d < Dh; ++d)  // Qᵀ [Dh][32], queries past nq zero
+      for (int64_t i = 0; i < kEncQ; ++i) qp[d * kEncQ + i] = i < nq ? q[i * ldq + d] : 0.0f;
+  }
   // Sᵀ [Tr][32], and each query's largest score as its rows are made (still in L1)
   __m256 best0 = _mm256_set1_ps(-INFINITY), best1 = best0, best2 = best0, best3 = best0;
   for (int64_t g = 0; g < Tr; g += kEncMR) {
     float* sg = s + g * kEncQ;
-    enc_tile(kp + g * Dh, qp, kEncQ, Dh, sg, kEncQ, true);
-    enc_tile(kp + g * Dh, qp + kEncNR, kEncQ, Dh, sg + kEncNR, kEncQ, true);
+    enc_tile<6>(kp + g * Dh, qp, kEncQ, Dh, sg, kEncQ, true);
+    enc_tile<6>(kp + g * Dh, qp + kEncNR, kEncQ, Dh, sg + kEncNR, kEncQ, true);
     for (int64_t r = 0; r < std::min(kEncMR, T - g); ++r, sg += kEncQ) {  // keys past T are padding
       best0 = _mm256_max_ps(best0, _mm256_loadu_ps(sg));
       best1 = _mm256_max_ps(best1, _mm256_loadu_ps(sg + 8));
@@ -133,12 +176,25 @@ __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q,
     const int64_t kc = std::min(kEncKC, Tr - t0);
     for (int64_t g = 0; g < Jr; g += kEncMR)
       for (int64_t p = 0; p < kEncQ; p += kEncNR)
-        enc_tile(vp + g * Tr + t0 * kEncMR, s + t0 * kEncQ + p, kEncQ, kc, o + g * kEncQ + p, kEncQ, t0 == 0);
+        if (Dh - g == 4)
+          enc_tile<4>(vp + g * Tr + t0 * kEncMR, s + t0 * kEncQ + p, kEncQ, kc, o + g * kEncQ + p, kEncQ, t0 == 0);
+        else
+          enc_tile<6>(vp + g * Tr + t0 * kEncMR, s + t0 * kEncQ + p, kEncQ, kc, o + g * kEncQ + p, kEncQ, t0 == 0);
   }
   float inv[kEncQ];  // 1 / the weights' sum, as torch's flash kernel applies it
   const __m256 one = _mm256_set1_ps(1.0f);
   _mm256_storeu_ps(inv, _mm256_div_ps(one, total0)), _mm256_storeu_ps(inv + 8, _mm256_div_ps(one, total1));
   _mm256_storeu_ps(inv + 16, _mm256_div_ps(one, total2)), _mm256_storeu_ps(inv + 24, _mm256_div_ps(one, total3));
+  if (nq == kEncQ && Dh % 8 == 0) {  // Oᵀ back to rows by 8 × 8 blocks, row i scaled
+    for (int64_t j = 0; j < Dh; j += 8)
+      for (int64_t i = 0; i < kEncQ; i += 8) {
+        __m256 r[8];
+        enc_transpose8_regs(o + j * kEncQ + i, kEncQ, r);
+        for (int64_t a = 0; a < 8; ++a)
+          _mm256_storeu_ps(out + (i + a) * ldo + j, _mm256_mul_ps(r[a], _mm256_set1_ps(inv[i + a])));
+      }
+    return;
+  }
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t j = 0; j < Dh; ++j) out[i * ldo + j] = o[j * kEncQ + i] * inv[i];
 }

@@ -210,11 +210,13 @@ needs_avx2 = pytest.mark.skipif(not _avx2_attention(), reason="the encoder atten
 
 @needs_avx2
 @pytest.mark.parametrize("T,heads,head_dim", [(1, 1, 64), (5, 2, 64), (6, 1, 64), (7, 3, 20), (31, 2, 64),
-                                              (32, 8, 64), (33, 2, 16), (257, 4, 64), (1500, 8, 64)])
+                                              (32, 8, 64), (33, 2, 16), (45, 2, 40), (40, 3, 12), (257, 4, 64),
+                                              (1500, 8, 64)])
 @pytest.mark.parametrize("spread", [1.0, 6.0])
 def test_encoder_attention_matches_reference(T, heads, head_dim, spread):
     """csrc/encoder_ops.h against softmax(q kᵀ) v in float64, on the edges of its tiles (6 keys or
-    channels, 16 and 32 queries), head dims that are not a multiple of 6 or 16, strided rows, and
+    channels, 16 and 32 queries), head dims that are not a multiple of 6 or 16 (a last group of 4
+    channels: 16, 40, 64; of 2: 20; none: 12, whose queries are not moved 8 × 8), strided rows, and
     scores spread enough that the softmax is nearly one-hot (spread 6: score sd ≈ 290): within
     twice the error of torch's own float32 attention on the same input."""
     from specwhisper.backends import cpu_ops
