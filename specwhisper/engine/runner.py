@@ -267,8 +267,10 @@ class Runner:
         if not first and modes.any_plain and not (modes.any_ruled or modes.any_full):  # every row plain greedy
             return greedy_tokens(self.target, self.target.head, hidden, self.suppress), None
         rows = Rows(self.state, slots, index[:, None] + 1 + torch.arange(T, device=self.device), proposals)
-        banned = rows.banned_first(self.suppress, self.begin_suppress) if first else self.suppress
         logits_fn = self.target.model.decoder.logits
+        if modes.any_ruled and not (modes.any_plain or modes.any_full):  # every row ruled greedy (a long-form step)
+            return choose_ruled_greedy(self.target.head, logits_fn, hidden, rows, self.rule_tables), None
+        banned = rows.banned_first(self.suppress, self.begin_suppress) if first else self.suppress
         greedy, timestamps = self.state.temperature[slots] == 0, self.state.timestamps[slots]
         choice = greedy_tokens(self.target, self.target.head, hidden, banned) if modes.any_plain else None
         if modes.any_ruled:
