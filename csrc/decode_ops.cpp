@@ -2306,7 +2306,7 @@ at::Tensor step_add(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const at::Tensor& self_k,
                           const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v,
                           const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,
-                          int64_t n_heads, double eps) {
+                          int64_t n_heads, double eps, int64_t keep) {
   const int64_t L = self_k.size(0);
   const int64_t per = static_cast<int64_t>(params.size()) / std::max<int64_t>(1, L);
   TORCH_CHECK((per == 18 || per == 24) && per * L == static_cast<int64_t>(params.size()),
@@ -2326,10 +2326,21 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
     at::Tensor qkv = linear(norm(0), p[2], p[3]).view({B, T, 3, n_heads, Dh});
     at::Tensor sk = self_k.select(0, l), sv = self_v.select(0, l);
     kv_write(sk, sv, qkv.select(2, 1), qkv.select(2, 2), write_pos);
-    at::Tensor a = decode_attention(qkv.select(2, 0), sk, sv, n_self, scale);
+    at::Tensor ns = n_self, nc = n_cross;
+    int64_t Tk = T;
+    if (l == L - 1 && keep > 0 && keep < T) {
+      // the last layer: every position's keys and values are written (later steps read them), the
+      // rest only for the `keep` last positions, the only outputs the caller reads. Each kept
+      // row gets the same bits (every op here computes a row alone, whatever the others)
+      Tk = keep;
+      x = x.narrow(1, T - keep, keep).contiguous();
+      qkv = qkv.narrow(1, T - keep, keep);
+      ns = n_self.narrow(1, T - keep, keep).contiguous(), nc = n_cross.narrow(1, T - keep, keep).contiguous();
+    }
+    at::Tensor a = decode_attention(qkv.select(2, 0), sk, sv, ns, scale);
     residual(linear(a, p[4], p[5]));
     at::Tensor q = linear(norm(6), p[8], p[9]);
-    a = decode_attention(q.view({B, T, n_heads, Dh}), cross_k.select(0, l), cross_v.select(0, l), n_cross, scale);
+    a = decode_attention(q.view({B, Tk, n_heads, Dh}), cross_k.select(0, l), cross_v.select(0, l), nc, scale);
     residual(linear(a, p[10], p[11]));
     at::Tensor f = linear(norm(12), p[14], p[15]);
     at::Tensor h = step_gelu(f);
@@ -2341,7 +2352,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
 // A whole decoder step (spec: model/whisper.py `Decoder.hidden`): the embeddings of tokens [B, T] at
 // positions input_pos [B, T], every layer (decoder_layers) and the last norm, on the first B rows of
 // the whole caches ([n_layers, rows, H, S, D]) with kv_len slots attended; a position past the
-// embeddings' last writes the scratch slot. The same bits as Decoder.hidden's ops from Python,
+// embeddings' last writes the scratch slot. keep in 1..T-1: only the last `keep` positions' hidden
+// states are made ([B, keep, d]; every position's keys and values are still written). The same bits as Decoder.hidden's ops from Python,
 // without their ~12 calls, each slow on the caches a step's streaming leaves cold (base, 2 threads,
 // cold, alternated in one process: 1 row 4.61 -> 4.50 ms, 5 rows 5.47 -> 5.34; held to AVX2
 // 4.63 -> 4.51, 5.58 -> 5.52).
@@ -2358,7 +2370,8 @@ void embed_rows(const int64_t* tok, const int64_t* pos, int64_t M, int64_t last,
 at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, const at::Tensor& token_embedding,
                         const at::Tensor& position_embedding, at::TensorList params, const at::Tensor& self_k,
                         const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v, int64_t kv_len,
-                        int64_t n_heads, double eps, const at::Tensor& final_weight, const at::Tensor& final_bias) {
+                        int64_t n_heads, double eps, const at::Tensor& final_weight, const at::Tensor& final_bias,
+                        int64_t keep) {
   TORCH_CHECK(tokens.dim() == 2 && input_pos.sizes() == tokens.sizes(), "decoder_step: tokens and input_pos [B, T]");
   TORCH_CHECK(token_embedding.dim() == 2 && position_embedding.dim() == 2 && token_embedding.is_contiguous() &&
               position_embedding.is_contiguous() && token_embedding.scalar_type() == position_embedding.scalar_type() &&
@@ -2371,6 +2384,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
               " rows, the caches hold ", self_k.size(1));
   const int64_t V = token_embedding.size(0), last = position_embedding.size(0) - 1, S = self_k.size(3);
   TORCH_CHECK(kv_len >= 1, "decoder_step: kv_len ", kv_len, " < 1");
+  TORCH_CHECK(keep >= 0, "decoder_step: keep ", keep, " < 0");
   const at::Tensor tok = tokens.to(at::kLong).contiguous(), pos = input_pos.to(at::kLong).contiguous();
   const int64_t *tp = tok.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   const auto long_opts = tok.options();
@@ -2395,7 +2409,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
     return self ? r.narrow(3, 0, std::min(kv_len, S)) : r;  // Python's [:kv_len]
   };
   x = decoder_layers(x, params, rows(self_k, true), rows(self_v, true), rows(cross_k, false), rows(cross_v, false),
-                     write_pos, n_self, n_cross, n_heads, eps);
+                     write_pos, n_self, n_cross, n_heads, eps, keep);
   return step_layer_norm(x, final_weight, final_bias, eps);  // the decoder's last norm
 }
 
@@ -2429,7 +2443,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("set_vector_level(int level) -> int");
   m.def("vector_level() -> int");
   m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
-  m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias) -> Tensor");
+  m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("gelu(Tensor x) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");

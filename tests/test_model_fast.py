@@ -446,6 +446,41 @@ def test_fused_step_equals_layer_by_layer(head64, dtype, compact, monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers()))
 
 
+@pytest.mark.parametrize("form", ["float32", "half", "compact", "int8"])
+def test_keeping_the_last_positions_gives_their_bits_and_every_cache_entry(head64, form):
+    """`Decoder.hidden(keep=k)` (the C++ step's last layer past its key/value projections for the
+    last k positions only: a long-form prompt pass) gives the bits of the whole pass's last k
+    positions and the same caches, for the target's forms (float32, float16-valued projections) and
+    the drafts' (compact: bfloat16; int8), rows at different positions, the many-row paths (40
+    rows) against a few; at every vector level. keep >= T is the whole pass; keep < 1 is refused."""
+    with torch.inference_mode(False):  # float16_valued changes the weights in place
+        model, features, gen = decoder_setup(head64, torch.float32, batch=2)
+    if form == "half":
+        float16_valued(model.model)
+        assert model.model.half_projections()
+    elif form == "compact":
+        model.model.compact_decoder()
+    elif form == "int8":
+        model.model.int8_projections()
+    dec = model.model.decoder
+    tokens = torch.randint(0, 50000, (2, 20), generator=gen)
+    pos = torch.stack([torch.arange(20), torch.arange(7, 27)])
+    for level in range(cpu_ops._ops().vector_level() + 1):
+        with cpu_ops.vector_level(level):
+            whole_cache = fresh_cache(model, features, torch.float32)
+            whole = dec.hidden(tokens, pos, whole_cache, kv_len=30)
+            for keep in (1, 3, 19):
+                cache = fresh_cache(model, features, torch.float32)
+                part = dec.hidden(tokens, pos, cache, kv_len=30, keep=keep)
+                assert part.shape == (2, keep, whole.shape[-1])
+                assert torch.equal(part, whole[:, -keep:]), (level, keep)
+                assert all(torch.equal(x, y) for x, y in zip(cache.buffers(), whole_cache.buffers())), (level, keep)
+            assert torch.equal(dec.hidden(tokens, pos, fresh_cache(model, features, torch.float32), kv_len=30,
+                                          keep=20), whole)
+    with pytest.raises(ValueError, match="keep"):
+        dec.hidden(tokens, pos, fresh_cache(model, features, torch.float32), keep=0)
+
+
 def float16_valued(whisper) -> None:
     """Round a model's decoder projections to float16 values (what a float16 checkpoint holds,
     kept in float32), then fuse its q/k/v."""

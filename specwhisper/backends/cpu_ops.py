@@ -217,15 +217,16 @@ def attention(q, k_cache, v_cache, n_keys, scale):
     return attention_reference(q, k_cache, v_cache, n_keys, scale)
 
 
-def decoder_step(decoder, tokens, input_pos, cache, kv_len: int):
-    """`decoder.hidden(tokens, input_pos, cache, kv_len)` in one C++ call: the embeddings, every layer
-    (`model.whisper.DecoderLayer.forward_rows`'s ops in its order) and the last norm, with the same
-    bits (callers check `active` first)."""
+def decoder_step(decoder, tokens, input_pos, cache, kv_len: int, keep: int = 0):
+    """`decoder.hidden(tokens, input_pos, cache, kv_len, keep)` in one C++ call: the embeddings, every
+    layer (`model.whisper.DecoderLayer.forward_rows`'s ops in its order) and the last norm, with the
+    same bits (callers check `active` first). keep in 1..T-1: the last layer runs past its key/value
+    projections for the last `keep` positions only, whose hidden states are returned [B, keep, d]."""
     first = decoder.layers[0]
     return _ops().decoder_step(tokens, input_pos, decoder.embed_tokens.weight, decoder.embed_positions.weight,
                                decoder.layer_params(), cache.self_k, cache.self_v, cache.cross_k, cache.cross_v,
                                kv_len, first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
-                               decoder.layer_norm.bias)
+                               decoder.layer_norm.bias, keep)
 
 
 def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial, suppress,

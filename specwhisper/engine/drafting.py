@@ -76,7 +76,7 @@ class DraftSide:
         dprompt = d.prompt(spec)
         P = len(dprompt)
         ddec.hidden(torch.tensor([dprompt], device=self.device), torch.arange(P, device=self.device)[None],
-                    rows, kv_len=P)
+                    rows, kv_len=P, keep=1)  # only the cache is wanted
         st.draft_passes[s] = 1
         st.dtokens[s, :P] = torch.tensor(dprompt, device=self.device)
         n = int(st.n_tokens[s])
@@ -100,7 +100,7 @@ class DraftSide:
         src = self.uncached_positions(B, width)  # [B, width]
         feed = st.dtokens[:B].gather(1, src)
         kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
-        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len)[:, -1:]
+        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1)
         raws = []
         for step in range(k):
             x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
@@ -150,7 +150,7 @@ class DraftSide:
         ddec = self.drafter.draft.model.decoder
         dn, dc = st.dn[:B], st.dcached[:B]
         src = self.uncached_positions(B, self.uncached_width(B))
-        ddec.hidden(st.dtokens[:B].gather(1, src), src, self.view(B))
+        ddec.hidden(st.dtokens[:B].gather(1, src), src, self.view(B), keep=1)  # only the cache is wanted
         st.dcached[:B] = torch.maximum(dn - 1, dc)
         st.draft_passes[:B] += st.draft_on[:B].long()  # rows whose draft runs
         self.synced = True

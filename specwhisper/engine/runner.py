@@ -193,7 +193,10 @@ class Runner:
         dec.fill_cross(rows, features[None])
         P = len(spec.prompt)
         prompt = torch.tensor([spec.prompt], device=self.device)
-        hidden = dec.hidden(prompt, torch.arange(P, device=self.device)[None], rows, kv_len=P)
+        # only the positions from the start-of-transcript token on are read (its no-speech
+        # probability, the first token): the last layer skips the previous text's rest
+        keep = P - spec.sot_index if self.no_speech_id is not None else 1
+        hidden = dec.hidden(prompt, torch.arange(P, device=self.device)[None], rows, kv_len=P, keep=keep)
         st = self.state
         st.admit(s, spec, P)
         st.tokens[s, :P] = prompt[0]
@@ -202,7 +205,7 @@ class Runner:
         pending = (spec, features, draft_mel) if self.drafter is not None and spec.use_draft else None
         self.hosts[s] = HostSlot(spec, P, P + spec.max_new_tokens, pending)
         if self.no_speech_id is not None:
-            sot_logits = dec.logits(hidden[0, spec.sot_index]).float()
+            sot_logits = dec.logits(hidden[0, spec.sot_index - (P - hidden.shape[1])]).float()
             st.no_speech[s] = sot_logits.softmax(-1)[self.no_speech_id]
         # the first token: the prompt's last position, as if it were a one-position verify pass
         slot = torch.tensor([s], device=self.device)

@@ -345,13 +345,22 @@ class Decoder(nn.Module):
                 cache.cross_v[i, row:row + 1].copy_(v)
 
     def hidden(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: DecoderCache,
-               kv_len: int | None = None) -> torch.Tensor:
+               kv_len: int | None = None, keep: int | None = None) -> torch.Tensor:
         """Run the blocks for tokens [B, T] at positions input_pos [B, T] -> hidden [B, T, d].
 
         Row b of the cache holds row b's keys; a query at position p sees cache slots 0..p, so
         stale slots past a row's length (after a rollback) are never read. `kv_len` (a bound on
         every position + 1, known on the host) trims the attended window; None attends all slots.
+        `keep`: only the last `keep` positions' hidden states are wanted -> [B, keep, d], the same
+        bits as [:, -keep:] of the whole; the caches get every position's keys and values. The C++
+        step then runs the last layer past its key/value projections for those positions only (a
+        long-form prompt pass of ≈ 200 positions whose last few are read: one layer's attention and
+        MLP for the rest spared); elsewhere the whole is sliced.
         """
+        T = tokens.shape[1]
+        keep = None if keep is None or keep >= T else keep
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
         b = tokens.shape[0]
         last = self.embed_positions.num_embeddings - 1  # the last real position (447)
         s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
@@ -359,7 +368,9 @@ class Decoder(nn.Module):
         cpu = kernel is None and cpu_ops.active(self.embed_tokens.weight) \
             and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v")
         if cpu and self.fused_step:  # all of the forward_rows branch below in one C++ call
-            return cpu_ops.decoder_step(self, tokens, input_pos, cache, s)
+            return cpu_ops.decoder_step(self, tokens, input_pos, cache, s, keep or 0)
+        if keep is not None:
+            return self.hidden(tokens, input_pos, cache, kv_len)[:, T - keep:]
         write_pos = input_pos.clamp(max=min(last + 1, s - 1))  # past the end: the scratch slot
         x = self.embed_tokens(tokens) + self.embed_positions(input_pos.clamp(max=last))
         rows = (cache.self_k[:, :b, :, :s], cache.self_v[:, :b, :, :s], cache.cross_k[:, :b], cache.cross_v[:, :b])
