@@ -492,6 +492,31 @@ def float16_valued(whisper) -> None:
         whisper.fuse()
 
 
+def test_full_logits_read_a_float16_copy_of_a_float16_valued_head_with_the_same_bits(head64):
+    """`Decoder.logits` on the CPU reads the tied head through `head_weight`: a float16 copy when
+    the float32 embedding holds float16 values (half the bytes of a sampled step's head), the
+    logits bit for bit those of the float32 weights; random float32 weights, or a change in place
+    that leaves float16 values, read the float32 embedding itself."""
+    with torch.inference_mode(False):
+        model, features, gen = decoder_setup(head64, torch.float32, batch=1)
+    dec = model.model.decoder
+    emb = dec.embed_tokens.weight
+    h = torch.randn(7, emb.shape[1], generator=gen)
+    assert dec.half and dec.head_weight() is emb  # random float32 values: no copy
+    with torch.inference_mode(False), torch.no_grad():
+        emb.copy_(emb.half().float())
+    head = dec.head_weight()
+    assert head.dtype == torch.float16 and torch.equal(head.float(), emb)
+    for level in range(cpu_ops._ops().vector_level() + 1):
+        with cpu_ops.vector_level(level):
+            assert torch.equal(dec.logits(h), cpu_ops.linear(h, emb.detach(), None, torch.float32))
+    torch.testing.assert_close(dec.logits(h), h @ emb.detach().T, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode(False), torch.no_grad():
+        emb[3, 5] += 2.0**-20  # no float16 value any more
+    assert dec.head_weight() is emb
+    assert torch.equal(dec.logits(h), cpu_ops.linear(h, emb.detach(), None, torch.float32))
+
+
 def test_one_buffer_copies_side_by_side():
     """`one_buffer`: copies with the same values, dtypes and shapes, contiguous, 64-byte aligned,
     in one allocation (int8 blocks, float16, float32 and bfloat16, odd sizes, an empty tensor);
