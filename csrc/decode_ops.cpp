@@ -2353,10 +2353,10 @@ at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const a
 // positions input_pos [B, T], every layer (decoder_layers) and the last norm, on the first B rows of
 // the whole caches ([n_layers, rows, H, S, D]) with kv_len slots attended; a position past the
 // embeddings' last writes the scratch slot. keep in 1..T-1: only the last `keep` positions' hidden
-// states are made ([B, keep, d]; every position's keys and values are still written). The same bits as Decoder.hidden's ops from Python,
-// without their ~12 calls, each slow on the caches a step's streaming leaves cold (base, 2 threads,
-// cold, alternated in one process: 1 row 4.61 -> 4.50 ms, 5 rows 5.47 -> 5.34; held to AVX2
-// 4.63 -> 4.51, 5.58 -> 5.52).
+// states are made ([B, keep, d]; every position's keys and values are still written). The same
+// bits as Decoder.hidden's ops from Python, without their ~12 calls, each slow on the caches a
+// step's streaming leaves cold (base, 2 threads, cold, alternated in one process: 1 row 4.61 ->
+// 4.50 ms, 5 rows 5.47 -> 5.34; held to AVX2 4.63 -> 4.51, 5.58 -> 5.52).
 template <typename T>
 void embed_rows(const int64_t* tok, const int64_t* pos, int64_t M, int64_t last, const T* te, const T* pe, int64_t d,
                 T* x) {
