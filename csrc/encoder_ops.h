@@ -35,9 +35,9 @@ __attribute__((target("avx2,fma,f16c"))) inline void enc_tile(const float* a, co
                                                               float* c, int64_t ldc, bool first) {
   static_assert(R == 6 || R == 4, "enc_tile: 6 or 4 rows");
 #define ENC_ROWS(X) X(0) X(1) X(2) X(3) if constexpr (R == 6) { X(4) X(5) }
-#define ENC_INIT(r)                                                            \
-  __m256 c##r##0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc); \
-  __m256 c##r##1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
+#define ENC_INIT(r) /* rows past R stay zero, unread and unused */                         \
+  __m256 c##r##0 = first || r >= R ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc); \
+  __m256 c##r##1 = first || r >= R ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
 #define ENC_FMA(r)                                       \
   {                                                      \
     const __m256 ar = _mm256_broadcast_ss(a + r);        \
@@ -47,14 +47,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void enc_tile(const float* a, co
 #define ENC_STORE(r)                           \
   _mm256_storeu_ps(c + r * ldc, c##r##0);      \
   _mm256_storeu_ps(c + r * ldc + 8, c##r##1);
-  ENC_INIT(0) ENC_INIT(1) ENC_INIT(2) ENC_INIT(3)
-  __m256 c40 = _mm256_setzero_ps(), c41 = c40, c50 = c40, c51 = c40;  // unused when R = 4
-  if constexpr (R == 6) {
-    if (!first) {
-      c40 = _mm256_loadu_ps(c + 4 * ldc), c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
-      c50 = _mm256_loadu_ps(c + 5 * ldc), c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
-    }
-  }
+  ENC_INIT(0) ENC_INIT(1) ENC_INIT(2) ENC_INIT(3) ENC_INIT(4) ENC_INIT(5)
   for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     ENC_ROWS(ENC_FMA)
