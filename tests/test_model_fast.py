@@ -317,6 +317,30 @@ def test_attention_value_chunks_keep_each_querys_bits(dtype, T):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,S,D", [(16, 150, 64), (17, 77, 16), (40, 7, 64), (19, 64, 24), (33, 300, 40)])
+def test_many_queries_score_packed_keys_with_each_querys_bits(dtype, T, S, D):
+    """From 16 queries (a prompt pass) the scores come from keys packed transposed in blocks of 32
+    (csrc: many_scores_avx2): blocks cut short, a last group of fewer than 8 keys, head dims that
+    are multiples of 8 but not of 64; every output has the bits of that query alone (the tiles'
+    dot products), of the scalar level, and matches the reference."""
+    gen = torch.Generator().manual_seed(T + S + D)
+    B, H = 2, 3
+    q = torch.randn(B, T, H, D, generator=gen)
+    k, v = (torch.randn(B, H, S, D, generator=gen).to(dtype) for _ in range(2))
+    n_keys = torch.randint(1, S + 1, (B, T), generator=gen)
+    n_keys[0, 0], n_keys[-1, -1] = S, 1
+    out = cpu_ops.attention(q, k, v, n_keys, D**-0.5)
+    with cpu_ops.vector_level(0):
+        assert torch.equal(out, cpu_ops.attention(q, k, v, n_keys, D**-0.5))
+    for b in range(B):
+        for t in range(T):
+            one = cpu_ops.attention(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], n_keys[b:b + 1, t:t + 1], D**-0.5)
+            assert torch.equal(one[0, 0], out[b, t])
+    torch.testing.assert_close(out, cpu_ops.attention_reference(q, k.float(), v.float(), n_keys, D**-0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_attention_reads_bfloat16_caches_with_float32_queries():
     """A compact draft's cross K/V are bfloat16 while its queries are float32: the op widens them
     exactly, so the result has the bits of float32 caches holding the same values."""
