@@ -2516,6 +2516,52 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
   return step_layer_norm(x, final_weight, final_bias, eps);  // the decoder's last norm
 }
 
+// ------------------------------------------------------------------ float16 copies
+// dst = src rounded to float16 (both contiguous, the same number of elements) -> whether every
+// value widens back to its float32 bits (a float16 checkpoint loaded as float32; NaN or a value
+// float16 cannot hold: false). One pass over src (the Python check took three: the rounding, its
+// widening and the comparison; base's projections and head 0.33 s at an engine's first step).
+__attribute__((target("avx2,fma,f16c"))) bool half_exact_avx2(const float* s, at::Half* d, int64_t n) {
+  int64_t i = 0;
+  __m256 same = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
+    same = _mm256_and_ps(same, _mm256_cmp_ps(_mm256_cvtph_ps(h), v, _CMP_EQ_OQ));
+  }
+  bool exact = _mm256_movemask_ps(same) == 0xFF;
+  for (; i < n; ++i) {
+    d[i] = static_cast<at::Half>(s[i]);
+    exact = exact && static_cast<float>(d[i]) == s[i];
+  }
+  return exact;
+}
+
+bool half_exact(const at::Tensor& src, at::Tensor dst) {
+  TORCH_CHECK(src.device().is_cpu() && dst.device().is_cpu() && src.scalar_type() == at::kFloat &&
+                  dst.scalar_type() == at::kHalf && src.is_contiguous() && dst.is_contiguous() &&
+                  src.numel() == dst.numel(),
+              "half_exact: contiguous float32 src and float16 dst of the same size");
+  const float* s = src.data_ptr<float>();
+  at::Half* d = dst.data_ptr<at::Half>();
+  const bool vec = has_avx2();
+  std::atomic<bool> exact{true};
+  parallel_for(0, src.numel(), int64_t{1} << 16, [&](int64_t a, int64_t b) {
+    bool ok = true;
+    if (vec) {
+      ok = half_exact_avx2(s + a, d + a, b - a);
+    } else {
+      for (int64_t i = a; i < b; ++i) {
+        d[i] = static_cast<at::Half>(s[i]);
+        ok = ok && static_cast<float>(d[i]) == s[i];
+      }
+    }
+    if (!ok) exact = false;
+  });
+  return exact;
+}
+
 #include "encoder_ops.h"
 
 // Lower (or restore) the vector level the ops use -> the previous limit (tests: every path).
@@ -2543,6 +2589,7 @@ int64_t parallel_threads() {
 
 TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("parallel_threads() -> int");
+  m.def("half_exact(Tensor src, Tensor(a!) dst) -> bool");
   m.def("set_vector_level(int level) -> int");
   m.def("vector_level() -> int");
   m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
@@ -2582,6 +2629,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("layer_norm", &step_layer_norm);
   m.impl("gelu", &step_gelu);
   m.impl("encoder_attention", &encoder_attention);
+  m.impl("half_exact", &half_exact);
 }
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);

@@ -516,6 +516,35 @@ def float16_valued(whisper) -> None:
         whisper.fuse()
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100_003])
+def test_half_exact_rounds_in_one_pass_and_says_whether_every_value_came_back(n):
+    """`cpu_ops.half_exact` (the float16 copies of float16-valued weights): the copy is torch's
+    rounding at every vector level; it reports exact only when every value widens back to its
+    float32 bits (a tail value off by one float32 step, a NaN, one too large for float16: not)."""
+    from specwhisper.model.whisper import exact_half
+
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, generator=gen).half().float()
+    for level in (2, 1, 0):
+        with cpu_ops.vector_level(level):
+            h = torch.empty(n, dtype=torch.float16)
+            assert cpu_ops.half_exact(w, h) and torch.equal(h, w.half())
+            if n == 0:
+                continue
+            for bad in (torch.nextafter(w[-1], torch.tensor(float("inf"))).item(), float("nan"), 1e6):
+                off = w.clone()
+                off[-1] = bad
+                assert not cpu_ops.half_exact(off, h)
+                assert torch.equal(h[:-1], w[:-1].half())
+    matrix = w[: n - n % 8].view(-1, 8) if n >= 8 else w.view(-1, 1)
+    copy = exact_half(matrix)
+    assert copy.dtype == torch.float16 and torch.equal(copy.float(), matrix)
+    assert torch.equal(exact_half(matrix.t()).float(), matrix.t())  # a strided view: its values, copied
+    if n >= 8:
+        nudged = matrix + 1e-4
+        assert exact_half(nudged) is nudged
+
+
 def test_full_logits_read_a_float16_copy_of_a_float16_valued_head_with_the_same_bits(head64):
     """`Decoder.logits` on the CPU reads the tied head through `head_weight`: a float16 copy when
     the float32 embedding holds float16 values (half the bytes of a sampled step's head), the

@@ -261,6 +261,21 @@ def vector_level(level: int):
         _ops().set_vector_level(before)
 
 
+def half_exact(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """dst (float16) = contiguous float32 `src` rounded to float16 -> whether every value widens
+    back exactly (one pass in C++ where the ops are built)."""
+    if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() and _ops() is not None:
+        return bool(_ops().half_exact(src, dst))
+    dst.copy_(src)
+    return bool(torch.equal(dst.float(), src))
+
+
+def current_vector_level() -> int | None:
+    """The vector level the C++ ops run at (0 scalar, 1 AVX2, 2 AVX-512; None: no ops)."""
+    ops = _ops()
+    return None if ops is None else int(ops.vector_level())
+
+
 def kv_write(k_cache, v_cache, k, v, pos):
     if active(k):
         return _ops().kv_write(k_cache, v_cache, k, v, pos)

@@ -17,7 +17,7 @@ from torch import nn
 from ..backends import cpu_ops
 from ..config import WhisperConfig
 from . import encoder_cpu
-from .memory import huge_copy, huge_zeros
+from .memory import huge_zeros
 
 
 class Embedding(nn.Embedding):
@@ -253,13 +253,13 @@ class DecoderLayer(nn.Module):
 PROJECTIONS = (2, 4, 8, 10, 14, 16)  # the weight matrices among a layer's `layer_params`
 
 
-def exact_half(w: torch.Tensor) -> torch.Tensor:
+def exact_half(w: torch.Tensor, huge: bool = False) -> torch.Tensor:
     """A float16 copy of float32 `w` if it holds only float16 values (the copy widens back to `w`
-    bit for bit), else `w` itself."""
+    bit for bit), else `w` itself. `huge`: the copy in 2 MB pages (`memory.huge_zeros`)."""
     if w.dtype != torch.float32:
         return w
-    h = w.detach().to(torch.float16)
-    return h if torch.equal(h.float(), w.detach()) else w
+    h = huge_zeros(w.shape, torch.float16) if huge else torch.empty(w.shape, dtype=torch.float16)
+    return h if cpu_ops.half_exact(w.detach().contiguous(), h) else w
 
 
 SMALL_BYTES = 1 << 16  # module tensors up to this size are copied into the step's buffer (`one_buffer`)
@@ -469,8 +469,7 @@ class Decoder(nn.Module):
         key = (w.data_ptr(), None if w.is_inference() else w._version)
         cached = self.__dict__.get("_head_half")
         if cached is None or cached[0] != key:
-            half = exact_half(w)
-            cached = (key, huge_copy(half) if half is not w else w)
+            cached = (key, exact_half(w, huge=True))
             self.__dict__["_head_half"] = cached
         return cached[1]
 
