@@ -11,6 +11,10 @@ import torch
 
 from checkpoints import make_checkpoint
 
+# engines in tests measure their own pass costs: none read or write the user's kept costs
+# (`engine.draft.costs_folder`; tests of the kept costs point it at a temporary folder)
+os.environ["SPECWHISPER_COSTS_DIR"] = "off"
+
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")

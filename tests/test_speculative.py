@@ -336,6 +336,62 @@ def test_adaptive_k_is_exact_and_backs_off(kind, target, drafts, mels, reference
         assert out[0].stats.drafted <= 2 * 4
 
 
+def test_measured_costs_are_kept_on_disk_per_machine_and_pair(target, drafts, mels, reference, tmp_path,
+                                                               monkeypatch):
+    """The adaptive k's pass costs are measured once per machine and pair and read back by later
+    engines (a one-shot CLI run paid them in every process); a changed checkpoint file, another
+    thread count, or an unreadable file measure them again; SPECWHISPER_COSTS_DIR=off keeps none.
+    The output never changes."""
+    from specwhisper.engine import draft as draft_mod
+
+    folder = tmp_path / "costs"
+    monkeypatch.setenv("SPECWHISPER_COSTS_DIR", str(folder))
+    measured = []
+    real = draft_mod.Drafter.measure_costs
+
+    def counting(self, *args, **kwargs):
+        measured.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(draft_mod.Drafter, "measure_costs", counting)
+
+    def run():
+        engine = Engine(target, drafts["noisy"])
+        out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW)
+        assert [o.tokens for o in out] == reference[:2]
+        return engine
+
+    first = run()
+    files = sorted(folder.glob("*.json"))
+    assert len(measured) == 1 and len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert saved["key"]["threads"] == torch.get_num_threads() and draft_mod.valid_costs(saved["costs"])
+    assert first.drafter.length.calibrated
+    second = run()  # read back: not measured, the same starting point
+    assert len(measured) == 1 and second.drafter.length.calibrated
+    assert second.drafter.length.verify_ratio[:2] == [1.0, 1.0]
+    files[0].write_text("{not json")  # unreadable: measured and written again
+    run()
+    assert len(measured) == 2 and draft_mod.valid_costs(json.loads(files[0].read_text())["costs"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # another thread count: another file
+        run()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 3 and len(list(folder.glob("*.json"))) == 2
+    monkeypatch.setenv("SPECWHISPER_COSTS_DIR", "off")
+    shutil.rmtree(folder)
+    run()
+    assert len(measured) == 4 and not folder.exists()
+    assert draft_mod.costs_folder() is None
+    monkeypatch.delenv("SPECWHISPER_COSTS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert draft_mod.costs_folder() == tmp_path / "xdg" / "specwhisper" / "costs"
+    assert not draft_mod.valid_costs({"plain_seconds": 0.01, "verify_ratio": [1.0], "cost_ratio": 0.3,
+                                      "setup_seconds": 0.0})
+
+
 def test_draft_starts_only_when_speculation_runs(target, drafts, mels, reference):
     """A draft is set up (its encoder, cross K/V, prompt) at its row's first drafting iteration:
     while the adaptive k keeps speculation off, a row never pays for it; once drafting starts

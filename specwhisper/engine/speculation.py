@@ -79,7 +79,7 @@ class Speculation:
         k = max((sp.num_draft_tokens or 0) for sp in specs)
         rule = self.drafter.length if adaptive else None
         if adaptive and not rule.calibrated and self.backend.calibrates:
-            rule.calibrate(**self.drafter.measure_costs(self.backend.device, self.runner.dtype))
+            rule.calibrate(**self.drafter.costs(self.backend.device, self.runner.dtype))
         if adaptive:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32
