@@ -4,7 +4,9 @@ Question answered: of a one-file CLI call (`specwhisper transcribe`), how much i
 building the Engine, the first call's one-time work (the C++ ops, packed encoder weights, the
 screened head, a draft's cost calibration) and the transcription itself? Each round starts fresh
 processes (target-only, then with each draft), so nothing is warm but the OS file cache; phases
-are medians over the rounds. The CLI's own wall time on the same audio is timed beside them.
+are medians over the rounds. The CLI's own wall time on the same audio is timed beside them. A
+draft runs twice: with its pass costs kept from an earlier process (`Drafter.costs`, an untimed
+process fills them first) and measured in the process (`SPECWHISPER_COSTS_DIR=off`).
 
     python bench/startup.py                          # base, base + base-2l, 30 s of the demo recording
     python bench/startup.py --rounds 5 --draft base-2l tiny.en --seconds 60
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -66,26 +69,32 @@ def main() -> None:
         f.setnchannels(1), f.setsampwidth(2), f.setframerate(SAMPLE_RATE)
         f.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
     target = str(fetch(args.target))
-    systems = [("target-only", "")] + [(f"+ {d}", str(fetch(d))) for d in args.draft]
+    systems = [("target-only", "", {})]
+    for d in args.draft:
+        systems += [(f"+ {d}", str(fetch(d)), {}), (f"+ {d}, costs measured", str(fetch(d)), {"SPECWHISPER_COSTS_DIR": "off"})]
+    for _, draft, env in systems[1::2]:  # the kept costs, from one untimed process
+        subprocess.run([sys.executable, "-c", PROBE, target, draft, str(clip)], capture_output=True, check=True,
+                       env=dict(os.environ, **env))
     print(f"CPU: {cpu_model()}; {args.seconds:.0f} s of the demo recording; {args.rounds} rounds", flush=True)
-    phases = {name: [] for name, _ in systems}
-    cli = {name: [] for name, _ in systems}
+    phases = {name: [] for name, _, _ in systems}
+    cli = {name: [] for name, _, _ in systems}
     for r in range(args.rounds):
-        for name, draft in systems:
+        for name, draft, env in systems:
+            env = dict(os.environ, **env)
             done = subprocess.run([sys.executable, "-c", PROBE, target, draft, str(clip)],
-                                  capture_output=True, text=True, check=True)
+                                  capture_output=True, text=True, check=True, env=env)
             phases[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             command = [sys.executable, "-m", "specwhisper.tools.cli", "transcribe", "--target", target,
                        "--language", "en", "--quiet", "--output-format", "txt", "--output-dir", str(tmp / "out"),
                        str(clip)] + (["--draft", draft] if draft else [])
             start = time.perf_counter()
-            subprocess.run(command, capture_output=True, check=True)
+            subprocess.run(command, capture_output=True, check=True, env=env)
             cli[name].append(time.perf_counter() - start)
             print(f"round {r}: {name}: {phases[name][-1]} cli {cli[name][-1]:.2f} s", flush=True)
     keys = ("imports", "engine", "first_call", "second_call")
     print("\n| system | import | Engine() | first call | second call | first - second | CLI wall |")
     print("|---|---|---|---|---|---|---|")
-    for name, _ in systems:
+    for name, _, _ in systems:
         med = {k: statistics.median(p[k] for p in phases[name]) for k in keys}
         print(f"| {name} | {med['imports']:.2f} s | {med['engine']:.2f} s | {med['first_call']:.2f} s | "
               f"{med['second_call']:.2f} s | {med['first_call'] - med['second_call']:.2f} s | "
