@@ -313,7 +313,10 @@ def costs_folder() -> Path | None:
     value = os.environ.get("SPECWHISPER_COSTS_DIR")
     if value is not None:
         return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specwhisper" / "costs"
+    try:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specwhisper" / "costs"
+    except (RuntimeError, KeyError):  # no home folder: nowhere to keep them
+        return None
 
 
 def model_files(path) -> list | None:
