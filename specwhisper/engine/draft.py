@@ -55,6 +55,7 @@ class Drafter:
                              "mel front end")
         self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
         self.pruned = head_tokens is not None  # greedy proposals among a subset of the vocabulary
+        self.head_tokens = head_tokens
         if same_head(draft, target):
             # a draft whose output head is the target's (a distilled draft reuses the target's
             # embedding; a self draft is the target): one int8 copy serves both, so the bytes a
@@ -233,7 +234,7 @@ class Drafter:
                     capability=torch.backends.cpu.get_cpu_capability(), vector_level=cpu_ops.current_vector_level(),
                     threads=torch.get_num_threads(), dtype=str(dtype), target=models[0], draft=models[1],
                     compact=bool(self.draft.model.decoder.compact), shared_encoder=self.shared_encoder,
-                    pruned=self.pruned, head=type(self.head).__name__, cross_pool=self.cross_pool(dtype))
+                    head_tokens=self.head_tokens, cross_pool=self.cross_pool(dtype))
 
     @torch.inference_mode()
     def measure_costs(self, device, dtype, position: int = 64, rounds: int = 3) -> dict:
