@@ -311,6 +311,20 @@ def strict_mkl() -> bool:
 
 
 @functools.cache
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; else the platform's answer)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def huge_pages() -> str:
     """Whether the buffers a decode step streams sit in transparent huge pages
     (`model.memory.huge_zeros`: weights, heads and KV caches in their own 2 MB-aligned mappings),

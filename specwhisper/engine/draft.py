@@ -230,7 +230,7 @@ class Drafter:
             return None
         from .. import __version__
 
-        return dict(format=COSTS_FORMAT, specwhisper=__version__, torch=torch.__version__, cpu=cpu_model(),
+        return dict(format=COSTS_FORMAT, specwhisper=__version__, torch=torch.__version__, cpu=cpu_ops.cpu_model(),
                     capability=torch.backends.cpu.get_cpu_capability(), vector_level=cpu_ops.current_vector_level(),
                     threads=torch.get_num_threads(), dtype=str(dtype), target=models[0], draft=models[1],
                     compact=bool(self.draft.model.decoder.compact), shared_encoder=self.shared_encoder,
@@ -328,20 +328,6 @@ def model_files(path) -> list | None:
     folder = Path(path).resolve()
     return [str(folder)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
                             for f in sorted(folder.iterdir()) if f.is_file()]
-
-
-@functools.cache
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; else the platform's answer)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def valid_costs(costs) -> bool:

@@ -57,18 +57,6 @@ def vector_level() -> str:
             + (f"; held by {', '.join(held)}" if held else "") + ")")
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def status(text: str) -> None:
     print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
 
@@ -125,7 +113,7 @@ def run_demo(target: str, drafts: list[str], target_name: str, k: int | None, th
     if seconds is not None:
         audio = audio[: int(seconds * SAMPLE_RATE)]
     duration = len(audio) / SAMPLE_RATE
-    print(f"CPU: {cpu_name()}, {threads} threads; vector level: {vector_level()}; huge pages: {cpu_ops.huge_pages()}")
+    print(f"CPU: {cpu_ops.cpu_model()}, {threads} threads; vector level: {vector_level()}; huge pages: {cpu_ops.huge_pages()}")
     print(f"Recording: {path.name}, {duration:.1f} s, four voices (reference transcript beside it)")
 
     status("loading models ...")
