@@ -258,7 +258,8 @@ def exact_half(w: torch.Tensor, huge: bool = False) -> torch.Tensor:
     bit for bit), else `w` itself. `huge`: the copy in 2 MB pages (`memory.huge_zeros`)."""
     if w.dtype != torch.float32:
         return w
-    h = huge_zeros(w.shape, torch.float16) if huge else torch.empty(w.shape, dtype=torch.float16)
+    huge = huge and w.device.type == "cpu"
+    h = huge_zeros(w.shape, torch.float16) if huge else torch.empty(w.shape, dtype=torch.float16, device=w.device)
     return h if cpu_ops.half_exact(w.detach().contiguous(), h) else w
 
 
