@@ -49,6 +49,26 @@ def test_real_tiny_en_to_base_map():
     assert tiny_en.backend.decode(drafted) == text
 
 
+def test_all_spellings_at_once_equal_one_at_a_time():
+    """`VocabMap.all_to_draft` (the draft's tables at construction) spells every target id as
+    `to_draft` does, and `padded_spellings` lays them out as zero-padded rows with their lengths."""
+    from specwhisper.engine.vocab import padded_spellings
+
+    base = tokenizer(real_folder("base"), 51865)
+    tiny_en = tokenizer(real_folder("tiny.en"), 51864)
+    together = VocabMap.build(tiny_en, base).all_to_draft(51866)  # one id past the tokenizer's
+    alone = VocabMap.build(tiny_en, base)
+    assert together == [alone.to_draft(t) if t < 51865 else [] for t in range(51866)]
+    assert sum(len(sp) > 1 for sp in together) > 1000 and together[base.eot] == [tiny_en.eot]
+    spellings = [[3, 1, 4], [], [1], [5, 9], []]
+    padded, lengths = padded_spellings(spellings)
+    assert padded.tolist() == [[3, 1, 4], [0, 0, 0], [1, 0, 0], [5, 9, 0], [0, 0, 0]]
+    assert lengths.tolist() == [3, 0, 1, 2, 0]
+    padded, lengths = padded_spellings([[], []])
+    assert padded.tolist() == [[0], [0]] and lengths.tolist() == [0, 0]
+    assert VocabMap.build(base, base).all_to_draft(3) == [[0], [1], [2]]
+
+
 def test_v3_style_vocabulary_shifts_special_tokens(tmp_path):
     for size in (51865, 51866):
         (tmp_path / str(size)).mkdir()

@@ -18,7 +18,7 @@ from ..constants import MAX_ADAPTIVE_K as MAX_K
 from ..backends import cpu_ops
 from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
-from .vocab import VocabMap
+from .vocab import VocabMap, padded_spellings
 
 DRAFT_RUN = 3  # draft steps in a row when calibrating their cost (a typical k)
 CONTENT_BLOCK = 300  # mel frames (3 s): a draft's own encoder runs whole blocks of its attention
@@ -84,11 +84,7 @@ class Drafter:
         d2t = torch.full((v_draft,), -1, dtype=torch.long)
         n = min(v_draft, len(self.vocab.draft_to_target))
         d2t[:n] = self.vocab.draft_to_target[:n]
-        spellings = [self.vocab.to_draft(t) for t in range(v_target)]
-        width = max(1, max(len(sp) for sp in spellings))
-        t2d = torch.tensor([sp + [0] * (width - len(sp)) for sp in spellings], dtype=torch.long)
-        lengths = torch.tensor([len(sp) for sp in spellings], dtype=torch.long)
-        return d2t, t2d, lengths
+        return (d2t, *padded_spellings(self.vocab.all_to_draft(v_target)))
 
     @functools.cached_property
     def head(self):
