@@ -309,6 +309,33 @@ def test_timestamp_argmax_margins_and_fully_banned_rows():
     assert int(tokens[2]) == int(logits[2].argmax()) < tb and not bool(undecided[2])
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="C++ decode ops unavailable")
+@pytest.mark.parametrize("V,K", [(1031, 72), (13, 16), (8, 512)])
+def test_the_cpp_int8_copy_is_quantizes_packed_bits(V, K):
+    """`ScreenedHead` quantizes and packs in one C++ pass (`cpu_ops.quantize_head`): the packed
+    int8 copy, the scales and the bounds are `quantize`'s bits, padded into blocks of 8 rows, at
+    the AVX2 and the scalar level (zero rows, a last partial block, rows of very different scales)."""
+    from specwhisper.model.head import BLOCK, ScreenedHead, bound_coefficients, quantize
+
+    gen = torch.Generator().manual_seed(V + K)
+    weight = torch.randn(V, K, generator=gen) * torch.rand(V, 1, generator=gen) * 10 ** torch.randint(-3, 3, (V, 1), generator=gen)
+    weight[[0, V // 2]] = 0.0
+    q, s, c = quantize(weight)
+    blocks = -(-V // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, K, dtype=torch.int8)
+    padded[:V] = q
+    expected = padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2)
+    for level in (1, 0):
+        with cpu_ops.vector_level(level):
+            packed = torch.full((blocks, K // 8, BLOCK, 8), 7, dtype=torch.int8)
+            scale, bound = torch.empty(V), torch.empty(V)
+            cpu_ops.quantize_head(weight, packed, scale, bound, *bound_coefficients(K))
+            assert torch.equal(packed, expected) and torch.equal(scale, s) and torch.equal(bound, c)
+    head = ScreenedHead(weight)
+    assert torch.equal(head.packed, expected) and torch.equal(head.scale, s) and torch.equal(head.bound, c)
+    assert torch.equal(head.int8_weights(), q)
+
+
 def test_quantize_in_row_blocks_gives_the_bits_of_one_pass():
     """`quantize` works `rows` at a time (its float64 temporaries in cache): every block size
     gives the int8 copy, scales and bounds of one pass over all rows, zero rows included."""

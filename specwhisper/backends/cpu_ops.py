@@ -270,6 +270,12 @@ def half_exact(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return bool(torch.equal(dst.float(), src))
 
 
+def quantize_head(weight, packed, scale, bound, coef: float, gamma: float) -> None:
+    """The screened head's int8 copy, packed, with its scales and bounds (spec: model/head.py
+    `quantize`); C++ only (`ScreenedHead` takes `quantize` where the ops are not built)."""
+    _ops().quantize_head(weight, packed, scale, bound, coef, gamma)
+
+
 def current_vector_level() -> int | None:
     """The vector level the C++ ops run at (0 scalar, 1 AVX2, 2 AVX-512; None: no ops)."""
     ops = _ops()

@@ -75,6 +75,13 @@ def quantize_rows(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return p, torch.where(finite, sh, float("nan"))
 
 
+def bound_coefficients(K: int) -> tuple[float, float]:
+    """The bound's factors for K features (module docstring): (√K ε + 4u (1 + √K ε), γ_K)."""
+    u = FP32_ROUNDOFF
+    e16 = K**0.5 * ((1 + u) / (2 * q16_range(K)) + u)  # ‖e‖ / ‖h‖ for the 16-bit rows
+    return e16 + 4 * u * (1 + e16), K * u / (1 - K * u)
+
+
 def quantize(weight: torch.Tensor, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [V, K] float32 -> (q int8 [V, K], s float32 [V], c float32 [V]): the int8 copy and
     the bound per unit ‖h‖ (see the module docstring), rounded up. Every row is computed on its
@@ -86,15 +93,12 @@ def quantize(weight: torch.Tensor, rows: int = 1024) -> tuple[torch.Tensor, torc
         parts = [quantize(weight[i:i + rows], rows) for i in range(0, weight.shape[0], rows)]
         return tuple(torch.cat(p) for p in zip(*parts))
     w = weight.double()
-    K = w.shape[1]
     s = (w.abs().amax(dim=1) / 127).float()
     s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 exactly
     q = (w / s.double()[:, None]).round().clamp(-127, 127)
-    u = FP32_ROUNDOFF
-    gamma = K * u / (1 - K * u)
-    e16 = K**0.5 * ((1 + u) / (2 * q16_range(K)) + u)  # ‖e‖ / ‖h‖ for the 16-bit rows
+    coef, gamma = bound_coefficients(w.shape[1])
     sq = s.double()[:, None] * q
-    c = ((w - sq).norm(dim=1) + (e16 + 4 * u * (1 + e16)) * sq.norm(dim=1) + gamma * w.norm(dim=1))
+    c = ((w - sq).norm(dim=1) + coef * sq.norm(dim=1) + gamma * w.norm(dim=1))
     c = (c * (1 + 2.0**-12)).float()
     c = torch.nextafter(c, torch.full_like(c, float("inf")))  # rounded up, not to nearest
     return q.to(torch.int8), s, c
@@ -114,14 +118,22 @@ class ScreenedHead:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.float().contiguous()  # [V, K] float32 (the token embedding)
         V, K = self.weight.shape
-        q, self.scale, self.bound = quantize(self.weight)
         blocks = -(-V // BLOCK)
-        padded = torch.zeros(blocks * BLOCK, K, dtype=torch.int8)
-        padded[:V] = q
-        # [blocks, K/8, 8 rows, 8 features]: one block streams as one sequential run (C++ op)
-        self.packed = (huge_copy(padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2))
-                       if K % 8 == 0 else None)
-        self.q = q if self.packed is None else None  # the reference unpacks `packed` when it can
+        if cpu_ops.available() and self.weight.device.type == "cpu" and K % 8 == 0:
+            # quantize's per-row arithmetic and the packing in one C++ pass, straight into huge
+            # pages (base's head 0.21 s -> 0.02 s at an engine's first step)
+            self.packed = huge_zeros((blocks, K // 8, BLOCK, 8), torch.int8)
+            self.scale, self.bound = torch.empty(V), torch.empty(V)
+            cpu_ops.quantize_head(self.weight, self.packed, self.scale, self.bound, *bound_coefficients(K))
+            self.q = None
+        else:
+            q, self.scale, self.bound = quantize(self.weight)
+            padded = torch.zeros(blocks * BLOCK, K, dtype=torch.int8)
+            padded[:V] = q
+            # [blocks, K/8, 8 rows, 8 features]: one block streams as one sequential run (C++ op)
+            self.packed = (huge_copy(padded.view(blocks, BLOCK, K // 8, 8).transpose(1, 2))
+                           if K % 8 == 0 else None)
+            self.q = q if self.packed is None else None  # the reference unpacks `packed` when it can
         self._tail = None  # (start, weight[start:]) for `tail`
 
     def int8_weights(self) -> torch.Tensor:
