@@ -317,7 +317,6 @@ def strict_mkl() -> bool:
 
 
 @functools.cache
-@functools.cache
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux; else the platform's answer)."""
     try:
@@ -331,6 +330,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
 def huge_pages() -> str:
     """Whether the buffers a decode step streams sit in transparent huge pages
     (`model.memory.huge_zeros`: weights, heads and KV caches in their own 2 MB-aligned mappings),
