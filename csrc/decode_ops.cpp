@@ -2517,15 +2517,6 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
 }
 
 // ------------------------------------------------------------------ the screened head's int8 copy
-// weight [V, K] float32 -> packed [ceil(V/8), K/8, 8, 8] int8 (rows past V zero), scale [V], bound
-// [V] (spec: model/head.py `quantize`, then its packing): per row in float64, s = fl32(max|w| / 127)
-// (1 where 0), q = clamp(round-half-even(w / s), -127, 127), and the bound
-// c = up(fl32((‖w − s q‖ + coef ‖s q‖ + gamma ‖w‖) (1 + 2^-12))). q and s are quantize's bits; the
-// norms sum over 4 lanes where torch's reduction has its own order, so c could differ from
-// quantize's in its last float64 bits, far inside the 2^-12 margin that makes it a bound either
-// way (on base's head and the tests' weights every c is quantize's). One pass over the head, its
-// divisions 4 at a time, instead of quantize's float64 temporaries, padding and packing (base's
-// head, 2 threads of a Zen 3 EPYC: 0.14 + 0.05 s -> 0.065 s).
 // One row of quantize_head: q into its block rows (out[(k / 8) * 64 + k % 8]), and the three
 // float64 sums of squares, each over 4 lanes (feature k in lane k % 4) added as (l0 + l2) + (l1 + l3).
 // The scalar form keeps the same lanes and order: the same bits.
@@ -2566,6 +2557,15 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* row
   }
 }
 
+// weight [V, K] float32 -> packed [ceil(V/8), K/8, 8, 8] int8 (rows past V zero), scale [V], bound
+// [V] (spec: model/head.py `quantize`, then its packing): per row in float64, s = fl32(max|w| / 127)
+// (1 where 0), q = clamp(round-half-even(w / s), -127, 127), and the bound
+// c = up(fl32((‖w − s q‖ + coef ‖s q‖ + gamma ‖w‖) (1 + 2^-12))). q and s are quantize's bits; the
+// norms sum over 4 lanes where torch's reduction has its own order, so c could differ from
+// quantize's in its last float64 bits, far inside the 2^-12 margin that makes it a bound either
+// way (on base's head and the tests' weights every c is quantize's). One pass over the head, its
+// divisions 4 at a time, instead of quantize's float64 temporaries, padding and packing (base's
+// head, 2 threads of a Zen 3 EPYC: 0.14 + 0.05 s -> 0.065 s).
 void quantize_head(const at::Tensor& weight, at::Tensor packed, at::Tensor scale, at::Tensor bound, double coef,
                    double gamma) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
@@ -2612,6 +2612,15 @@ void quantize_head(const at::Tensor& weight, at::Tensor packed, at::Tensor scale
 // value widens back to its float32 bits (a float16 checkpoint loaded as float32; NaN or a value
 // float16 cannot hold: false). One pass over src (the Python check took three: the rounding, its
 // widening and the comparison; base's projections and head 0.33 s at an engine's first step).
+bool half_exact_scalar(const float* s, at::Half* d, int64_t n) {
+  bool exact = true;
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = static_cast<at::Half>(s[i]);
+    exact = exact && static_cast<float>(d[i]) == s[i];
+  }
+  return exact;
+}
+
 __attribute__((target("avx2,fma,f16c"))) bool half_exact_avx2(const float* s, at::Half* d, int64_t n) {
   int64_t i = 0;
   __m256 same = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -2621,12 +2630,8 @@ __attribute__((target("avx2,fma,f16c"))) bool half_exact_avx2(const float* s, at
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
     same = _mm256_and_ps(same, _mm256_cmp_ps(_mm256_cvtph_ps(h), v, _CMP_EQ_OQ));
   }
-  bool exact = _mm256_movemask_ps(same) == 0xFF;
-  for (; i < n; ++i) {
-    d[i] = static_cast<at::Half>(s[i]);
-    exact = exact && static_cast<float>(d[i]) == s[i];
-  }
-  return exact;
+  const bool tail = half_exact_scalar(s + i, d + i, n - i);  // the last n % 8, written whatever the rest
+  return tail && _mm256_movemask_ps(same) == 0xFF;
 }
 
 bool half_exact(const at::Tensor& src, at::Tensor dst) {
@@ -2639,16 +2644,7 @@ bool half_exact(const at::Tensor& src, at::Tensor dst) {
   const bool vec = has_avx2();
   std::atomic<bool> exact{true};
   parallel_for(0, src.numel(), int64_t{1} << 16, [&](int64_t a, int64_t b) {
-    bool ok = true;
-    if (vec) {
-      ok = half_exact_avx2(s + a, d + a, b - a);
-    } else {
-      for (int64_t i = a; i < b; ++i) {
-        d[i] = static_cast<at::Half>(s[i]);
-        ok = ok && static_cast<float>(d[i]) == s[i];
-      }
-    }
-    if (!ok) exact = false;
+    if (!(vec ? half_exact_avx2(s + a, d + a, b - a) : half_exact_scalar(s + a, d + a, b - a))) exact = false;
   });
   return exact;
 }

@@ -97,24 +97,11 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 enc_exp(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 
-// r[a][b] = src[b · ld + a]: an 8 × 8 block of floats transposed into registers.
+// r[a][b] = src[b · ld + a]: an 8 × 8 block of floats transposed into registers (decode_ops.cpp's
+// transpose8x8, which the decode attention's key packing uses too).
 __attribute__((target("avx2,fma,f16c"))) inline void enc_transpose8_regs(const float* src, int64_t ld, __m256* r) {
-  __m256 a[8], b[8];
-  for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(src + k * ld);
-  for (int k = 0; k < 8; k += 2) {
-    b[k] = _mm256_unpacklo_ps(a[k], a[k + 1]);
-    b[k + 1] = _mm256_unpackhi_ps(a[k], a[k + 1]);
-  }
-  for (int k = 0; k < 8; k += 4) {
-    a[k] = _mm256_shuffle_ps(b[k], b[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    a[k + 1] = _mm256_shuffle_ps(b[k], b[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    a[k + 2] = _mm256_shuffle_ps(b[k + 1], b[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    a[k + 3] = _mm256_shuffle_ps(b[k + 1], b[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm256_permute2f128_ps(a[k], a[k + 4], 0x20);
-    r[k + 4] = _mm256_permute2f128_ps(a[k], a[k + 4], 0x31);
-  }
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(src + k * ld);
+  transpose8x8(r);
 }
 
 // dst[a · ldd + b] = src[b · lds + a] over an 8 × 8 block.
