@@ -71,10 +71,10 @@ def main() -> None:
     target = str(fetch(args.target))
     systems = [("target-only", "", {})]
     for d in args.draft:
-        systems += [(f"+ {d}", str(fetch(d)), {}), (f"+ {d}, costs measured", str(fetch(d)), {"SPECWHISPER_COSTS_DIR": "off"})]
-    for _, draft, env in systems[1::2]:  # the kept costs, from one untimed process
-        subprocess.run([sys.executable, "-c", PROBE, target, draft, str(clip)], capture_output=True, check=True,
-                       env=dict(os.environ, **env))
+        folder = str(fetch(d))
+        # the kept costs, from one untimed process
+        subprocess.run([sys.executable, "-c", PROBE, target, folder, str(clip)], capture_output=True, check=True)
+        systems += [(f"+ {d}", folder, {}), (f"+ {d}, costs measured", folder, {"SPECWHISPER_COSTS_DIR": "off"})]
     print(f"CPU: {cpu_model()}; {args.seconds:.0f} s of the demo recording; {args.rounds} rounds", flush=True)
     phases = {name: [] for name, _, _ in systems}
     cli = {name: [] for name, _, _ in systems}

@@ -256,14 +256,20 @@ def _ops_registered() -> bool:
     return True
 
 
+def machine_cache() -> Path:
+    """The folder of what this machine builds and measures: ~/.cache/specwhisper ($XDG_CACHE_HOME
+    respected): the extension's builds (`build_dir`), a draft's measured pass costs
+    (`engine.draft.costs_folder`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specwhisper"
+
+
 def build_dir() -> Path:
     """Where the JIT-built extension lives: $SPECWHISPER_BUILD_DIR, else a per-torch/per-Python
     folder under ~/.cache/specwhisper/build."""
     if os.environ.get("SPECWHISPER_BUILD_DIR"):
         return Path(os.environ["SPECWHISPER_BUILD_DIR"]).expanduser()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     tag = f"torch{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return cache / "specwhisper" / "build" / tag
+    return machine_cache() / "build" / tag
 
 
 def _build_cpp_extension() -> None:

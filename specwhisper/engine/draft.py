@@ -16,6 +16,7 @@ import torch
 
 from ..constants import MAX_ADAPTIVE_K as MAX_K
 from ..backends import cpu_ops
+from ..backends.ops import machine_cache
 from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
 from .vocab import VocabMap, padded_spellings
@@ -221,8 +222,10 @@ class Drafter:
 
     def costs_key(self, device, dtype) -> dict | None:
         """What the measured costs depend on (None: a pair not loaded from folders, never kept)."""
+        if torch.device(device).type != "cpu":
+            return None
         models = [model_files(self.target.path), model_files(self.draft.path)]
-        if None in models or torch.device(device).type != "cpu":
+        if None in models:
             return None
         from .. import __version__
 
@@ -311,7 +314,7 @@ def costs_folder() -> Path | None:
     if value is not None:
         return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
     try:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specwhisper" / "costs"
+        return machine_cache() / "costs"
     except (RuntimeError, KeyError):  # no home folder: nowhere to keep them
         return None
 
