@@ -824,29 +824,34 @@ __attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_
 }
 
 // q16_block's products for one half of the block (rows 4h..4h+3, the second 32 bytes of each
-// 64-byte step for h = 1) and MR input rows: 2 accumulators a row instead of 4, so one widening of
-// the weights serves 4 rows, not 3, in one group (a verify pass of 4 rows: 1.35 -> 1.02 ms for
-// base's head held to AVX2). GCC keeps some of MR = 5's accumulators on the stack, yet 5 rows in one
-// group beat 3 + 2 on a Zen 3 EPYC (2 threads, base's real head, alternated in one process: 3.67
-// -> 3.22 and 3.96 -> 3.55 ms, 9 rows as 5 + 4 against 3 + 3 + 3 0.95-0.99x), where a Zen 4 held to
-// AVX2 had measured 5 rows in one group at 1.4x 4 rows; q16_rows makes groups of at most 5. Ordering
-// each row's two updates (an empty asm on its accumulators) made 5 rows 1.14x slower.
+// 64-byte step for h = 1) and MR (1..6) input rows: 2 accumulators a row instead of 4, so one
+// widening of the weights serves more rows in one group (a verify pass of 4 rows: 1.35 -> 1.02 ms
+// for base's head held to AVX2). The accumulators are named registers, not an array: GCC kept an
+// array's 10 accumulators for 5 rows partly on the stack (5 stores, a load and 10 register copies
+// every step); named, base's head on 2 threads of a Zen 3 EPYC (real hidden states, cold, alternated
+// in one process 30 times) 4 / 5 / 9 rows 2.99 / 3.39 / 5.42 -> 2.78 / 2.96 / 4.44 ms (1 row 2.26,
+// its own kernel). 12 accumulators + 2 weight registers + 1 row's features: 16 registers for 6 rows.
 template <int MR, bool PF>
 __attribute__((target("avx2,fma,f16c"))) void q16_half(const int16_t* x, int64_t K, const int8_t* blk, int h, float* out,
                                                        int64_t ldo, const int8_t* next) {
-  __m256i acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  static_assert(MR >= 1 && MR <= 6, "q16_half: 1 to 6 rows");
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
+          a40 = a00, a41 = a00, a50 = a00, a51 = a00;  // rows past MR stay zero, unused
+#define Q16_ROW(r)                                                                                                     \
+  if constexpr (r < MR) {                                                                                              \
+    const __m256i xv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + r * K + k))); \
+    a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(w0, xv));                                                   \
+    a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(w1, xv));                                                   \
+  }
   for (int64_t k = 0; k < K; k += 8) {
     const int8_t* p = blk + k * kQB + 32 * h;
     if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), kStreamHint);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-    for (int i = 0; i < MR; ++i) {
-      const __m256i xv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));
-      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(w0, xv));
-      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(w1, xv));
-    }
+    Q16_ROW(0) Q16_ROW(1) Q16_ROW(2) Q16_ROW(3) Q16_ROW(4) Q16_ROW(5)
   }
+#undef Q16_ROW
+  const __m256i acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 2; ++j) {
       alignas(32) int32_t l[8];
@@ -856,7 +861,7 @@ __attribute__((target("avx2,fma,f16c"))) void q16_half(const int16_t* x, int64_t
     }
 }
 
-// MR = rows (1..5) input rows against both halves of one int8 block; PF: prefetch the next block.
+// MR = rows (1..6) input rows against both halves of one int8 block; PF: prefetch the next block.
 template <bool PF>
 __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int16_t* x, int64_t K, const int8_t* blk,
                                                          float* out, int64_t ldo, const int8_t* next) {
@@ -868,7 +873,8 @@ __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int
       case 2: Q16_HALF(2); break;
       case 3: Q16_HALF(3); break;
       case 4: Q16_HALF(4); break;
-      default: Q16_HALF(5); break;
+      case 5: Q16_HALF(5); break;
+      default: Q16_HALF(6); break;
     }
 #undef Q16_HALF
   }
@@ -876,13 +882,15 @@ __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int
 
 // Every row against one int8 block: 1 or 2 rows in one pass over the block (q16_block: the
 // one-row step's path; the halves measured slower there), 3 and more in balanced groups of at most
-// 5 over each half (5 rows: one group, 6: 3 + 3, 9: 5 + 4); the first group prefetches the next block.
+// 6 over each half (6 rows: one group, 7: 4 + 3, 9: 5 + 4); the first group prefetches the next block.
 // Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.02 1.39 1.57 2.35 ms
-// (ScreenedHead.argmax timed alone on 1..9 rows). The products are exact integer sums: the same bits in any grouping.
+// (ScreenedHead.argmax timed alone on 1..9 rows); 6 rows in one group against 3 + 3 (named
+// accumulators, Zen 3, alternated): 3.37 -> 2.90 ms. The products are exact integer sums: the same
+// bits in any grouping.
 __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
                                                        const int8_t* next, float* out, int64_t ldo) {
   if (M > 2) {
-    const int64_t groups = (M + 4) / 5, base = M / groups, extra = M % groups;
+    const int64_t groups = (M + 5) / 6, base = M / groups, extra = M % groups;
     for (int64_t g = 0, m = 0; g < groups; m += base + (g < extra), ++g) {
       const int64_t rows = base + (g < extra);
       if (m == 0) q16_halves<true>(rows, x, K, blk, out, ldo, next);

@@ -292,6 +292,19 @@ def test_screened_split_matches_its_reference():
             assert best[0] == -float("inf") and lse[1] == -float("inf")
 
 
+@pytest.mark.parametrize("rows", range(1, 10))
+def test_screen_products_in_every_row_grouping(rows):
+    """The C++ screen's integer products for 1..9 rows (every grouping of its row tiles: one or two
+    rows alone, groups of up to 6 over each half of a block) are `approx`'s: the upper log-sum-exp
+    `split` reads from them equals the reference's within float64 rounding, row by row. The
+    argmax alone cannot show a wrong product (the exact recheck repairs it)."""
+    weight, _, _, banned, hidden = timestamp_case(rows=rows, seed=30 + rows)
+    head = ScreenedHead(weight)
+    _, _, lse = head.split(hidden, banned, 8)
+    _, _, ref_lse = head.split_reference(hidden, banned, 8, bounds=True)
+    assert torch.allclose(lse, ref_lse, rtol=1e-12, atol=0)
+
+
 def test_timestamp_argmax_margins_and_fully_banned_rows():
     weight, tables, _, banned, hidden = timestamp_case(rows=40, seed=1)
     head = ScreenedHead(weight)
