@@ -127,6 +127,47 @@ def test_packed_weights_follow_in_place_changes(encoder):
     assert torch.equal(after, before)
 
 
+def test_cross_kv_from_onednn_products(multilingual):
+    """The decoder's cross-attention K/V from oneDNN products (`Decoder.cross_packed`): equal to
+    torch's GEMM to float32 rounding, a row's bits the same alone or beside another row, and the
+    reordered weights rebuilt after an in-place change of a projection."""
+    from specwhisper.model.whisper import DecoderCache
+
+    model = load_whisper(multilingual)
+    dec = model.decoder
+    g = torch.Generator().manual_seed(6)
+    features = torch.randn(2, model.config.max_source_positions, model.config.d_model, generator=g)
+
+    def fill(rows=2, fast=True, x=features):
+        cache = DecoderCache.allocate(model.config, rows, "cpu", torch.float32)
+        dec.fast_cross = fast
+        try:
+            with torch.no_grad():
+                dec.fill_cross(cache, x)
+        finally:
+            del dec.fast_cross  # the class default
+        return cache
+
+    fast, slow = fill(), fill(fast=False)
+    assert dec.__dict__.get("_cross_packed"), "the oneDNN path did not run"
+    for a, b in ((fast.cross_k, slow.cross_k), (fast.cross_v, slow.cross_v)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    alone = fill(1, x=features[1:])
+    assert torch.equal(alone.cross_k[:, 0], fast.cross_k[:, 1]) and torch.equal(alone.cross_v[:, 0], fast.cross_v[:, 1])
+    v_proj = dec.layers[0].encoder_attn.v_proj.weight
+    saved = v_proj.detach().clone()
+    with torch.no_grad():
+        v_proj.mul_(2.0)
+    try:
+        changed, reference = fill(), fill(fast=False)
+    finally:
+        with torch.no_grad():
+            v_proj.copy_(saved)
+    torch.testing.assert_close(changed.cross_v, reference.cross_v, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed.cross_v[0], fast.cross_v[0], atol=1e-3)
+    assert torch.equal(fill().cross_v, fast.cross_v)  # restored: the first layout's bits again
+
+
 def test_autograd_and_other_dtypes_take_the_reference(encoder):
     mel = torch.randn(1, encoder.conv1.in_channels, 3000)
     assert not encoder_cpu.usable(encoder, mel.double())

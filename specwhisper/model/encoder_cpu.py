@@ -76,6 +76,21 @@ def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return MKLDNN._reorder_linear_weight(weight.detach().contiguous(), rows)
 
 
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`_pack` for other modules (the decoder's cross-attention K/V projections)."""
+    return _pack(weight, rows)
+
+
+def usable_rows(x: torch.Tensor) -> bool:
+    """x [1, T, in] can go through `linear`: float32 on the CPU, oneDNN's products available."""
+    return available() and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] == 1
+
+
+def linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, in] @ weight.T + bias with (`pack`ed weight, bias)."""
+    return _linear(x, packed)
+
+
 class PackedEncoder:
     """The encoder's weights in the fast path's layout (built from an `Encoder`)."""
 
