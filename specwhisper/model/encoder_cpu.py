@@ -71,24 +71,15 @@ def usable(encoder, mel: torch.Tensor) -> bool:
     return (head_dim & (head_dim - 1)) == 0 and head_dim.bit_length() % 2 == 1  # head_dim = 4^n
 
 
-def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """[out, in] float32 -> oneDNN's blocked layout for products with about `rows` rows."""
     return MKLDNN._reorder_linear_weight(weight.detach().contiguous(), rows)
 
 
-def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """`_pack` for other modules (the decoder's cross-attention K/V projections)."""
-    return _pack(weight, rows)
-
-
 def usable_rows(x: torch.Tensor) -> bool:
-    """x [1, T, in] can go through `linear`: float32 on the CPU, oneDNN's products available."""
+    """x [1, T, in] can go through `linear` (with `pack`ed weights): float32 on the CPU, oneDNN's
+    products available (the decoder's cross-attention K/V, `Decoder.cross_packed`)."""
     return available() and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] == 1
-
-
-def linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [T, in] @ weight.T + bias with (`pack`ed weight, bias)."""
-    return _linear(x, packed)
 
 
 class PackedEncoder:
@@ -97,11 +88,11 @@ class PackedEncoder:
     def __init__(self, encoder, frames: int = 3000, int8: bool = False):
         positions = frames // 2
         blocks = encoder.layer_blocks(positions)
-        pack = _pack_int8 if int8 else _pack_weights
+        pack_layer = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
         # conv weight [O, C, 3] -> [O, 3*C]: kernel-major, channel-minor, as `im2col` lays columns
-        self.conv1 = (_pack(c1.weight.permute(0, 2, 1).reshape(c1.out_channels, -1), frames), c1.bias.detach())
-        self.conv2 = (_pack(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), positions), c2.bias.detach())
+        self.conv1 = (pack(c1.weight.permute(0, 2, 1).reshape(c1.out_channels, -1), frames), c1.bias.detach())
+        self.conv2 = (pack(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), positions), c2.bias.detach())
         self.positions = encoder.embed_positions.weight.detach()
         self.layers = []
         for layer, block in zip(encoder.layers, blocks):
@@ -111,10 +102,10 @@ class PackedEncoder:
             qkv_bias = torch.cat([a.q_proj.bias * scale, torch.zeros_like(a.q_proj.bias), a.v_proj.bias])
             self.layers.append(dict(
                 ln1=layer.self_attn_layer_norm, ln2=layer.final_layer_norm, heads=a.n_heads, block=block,
-                qkv=pack(qkv, qkv_bias, positions),
-                out=pack(a.out_proj.weight, a.out_proj.bias, positions),
-                fc1=pack(layer.fc1.weight, layer.fc1.bias, positions),
-                fc2=pack(layer.fc2.weight, layer.fc2.bias, positions)))
+                qkv=pack_layer(qkv, qkv_bias, positions),
+                out=pack_layer(a.out_proj.weight, a.out_proj.bias, positions),
+                fc1=pack_layer(layer.fc1.weight, layer.fc1.bias, positions),
+                fc2=pack_layer(layer.fc2.weight, layer.fc2.bias, positions)))
         self.layer_norm = encoder.layer_norm
 
     def __call__(self, mel: torch.Tensor) -> torch.Tensor:
@@ -123,8 +114,8 @@ class PackedEncoder:
 
     def window(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [n_mels, frames] -> [frames // 2, d]."""
-        x = GELU_(_linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
-        x = GELU_(_linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
+        x = GELU_(linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
+        x = GELU_(linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
         x.add_(self.positions[: x.shape[0]])
         for layer in self.layers:
             x = self.block(x, layer)
@@ -138,7 +129,7 @@ class PackedEncoder:
         H = p["heads"]
         ln1, ln2 = p["ln1"], p["ln2"]
         h = F.layer_norm(x, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps)
-        qkv = _linear(h, p["qkv"])  # [T, 3 d], q pre-scaled
+        qkv = linear(h, p["qkv"])  # [T, 3 d], q pre-scaled
         if p["block"] is None and cpu_ops.encoder_attention_usable(qkv):
             o = cpu_ops.encoder_attention(qkv, H)  # [T, d], read from qkv in place
         else:
@@ -153,11 +144,11 @@ class PackedEncoder:
             o = o.transpose(1, 2).reshape(T, d)  # the kernel's output is [T, H, Dh] in memory: a view
         x = _linear_add(o, x, p["out"])  # x + out_proj(o)
         h = F.layer_norm(x, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps)
-        return _linear_add(GELU_(_linear(h, p["fc1"])), x, p["fc2"])
+        return _linear_add(GELU_(linear(h, p["fc1"])), x, p["fc2"])
 
 
 def _pack_weights(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _pack(weight, rows), bias.detach()
+    return pack(weight, rows), bias.detach()
 
 
 def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
@@ -170,7 +161,7 @@ def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
         return torch.ops.quantized.linear_prepack(q, bias.detach().float())
 
 
-def _linear(x: torch.Tensor, packed) -> torch.Tensor:
+def linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [T, in] @ weight.T + bias, weight in oneDNN's layout (or fbgemm's int8 one)."""
     if not isinstance(packed, tuple):
         return torch.ops.quantized.linear_dynamic(x, packed)

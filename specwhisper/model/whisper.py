@@ -411,8 +411,8 @@ class Decoder(nn.Module):
         return self.layer_norm(x)
 
     fused_step = True  # False: run the layers one `forward_rows` call at a time (the spec)
-    # float32 on the CPU: the cross K/V from oneDNN products (`cross_packed`; 95 -> 80 ms a window
-    # for base on two Zen 3 cores); False: torch's GEMM (`AttentionBase.project`)
+    # float32 on the CPU: the cross K/V from oneDNN products (`cross_packed`; base, two Zen 3 cores,
+    # alternated in one process: 109.7 -> 90.2 ms a window); False: torch's GEMM (`AttentionBase.project`)
     fast_cross = True
     cross_rows = 1500  # the rows oneDNN's weight layout is chosen for (a window's audio features)
     # the module whose `decode_linear` / `decode_attention` run the layers (`Whisper.fuse_decode_ops`)
