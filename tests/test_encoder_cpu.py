@@ -130,7 +130,8 @@ def test_packed_weights_follow_in_place_changes(encoder):
 def test_cross_kv_from_onednn_products(multilingual):
     """The decoder's cross-attention K/V from oneDNN products (`Decoder.cross_packed`): equal to
     torch's GEMM to float32 rounding, a row's bits the same alone or beside another row, and the
-    reordered weights rebuilt after an in-place change of a projection."""
+    reordered weights rebuilt after an in-place change of a projection, the same bits on 1 and 2
+    threads."""
     from specwhisper.model.whisper import DecoderCache
 
     model = load_whisper(multilingual)
@@ -154,6 +155,13 @@ def test_cross_kv_from_onednn_products(multilingual):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     alone = fill(1, x=features[1:])
     assert torch.equal(alone.cross_k[:, 0], fast.cross_k[:, 1]) and torch.equal(alone.cross_v[:, 0], fast.cross_v[:, 1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)  # a Ray worker's 1 thread and its driver's 2
+    try:
+        other = fill()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(other.cross_k, fast.cross_k) and torch.equal(other.cross_v, fast.cross_v)
     v_proj = dec.layers[0].encoder_attn.v_proj.weight
     saved = v_proj.detach().clone()
     with torch.no_grad():

@@ -342,7 +342,8 @@ class Decoder(nn.Module):
                     k, v = (attn.heads(cpu_ops.linear(features, p.weight, p.bias)) for p in (attn.k_proj, attn.v_proj))
                 elif self.fast_cross and weight_dtype == torch.float32 and encoder_cpu.usable_rows(features):
                     # one oneDNN product per layer on weights reordered once (`cross_packed`)
-                    k, v = (attn.heads(t[None]) for t in encoder_cpu.linear(features[0], self.cross_packed(i)).chunk(2, -1))
+                    kv = encoder_cpu.linear(features[0], self.cross_packed(i))  # [T, 2 d]
+                    k, v = (attn.heads(t[None]) for t in kv.chunk(2, -1))
                 else:
                     k, v = attn.project(features, ("k", "v"))
                 cache.cross_k[i, row:row + 1].copy_(k)
@@ -357,7 +358,8 @@ class Decoder(nn.Module):
         kept = self.__dict__.setdefault("_cross_packed", {}).get(i)
         if kept is None or kept[0] != key:
             weight = torch.cat([k.weight, v.weight]).detach()
-            bias = torch.cat([k.bias if k.bias is not None else torch.zeros_like(v.bias), v.bias]).detach()
+            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                              for p in (k, v)]).detach()
             kept = self._cross_packed[i] = (key, encoder_cpu.pack(weight, self.cross_rows), bias)
         return kept[1:]
 
