@@ -99,6 +99,6 @@ def padded_spellings(spellings: list[list[int]]) -> tuple[torch.Tensor, torch.Te
     flat = torch.tensor([d for sp in spellings for d in sp], dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(spellings)), lengths)
     cols = torch.arange(len(flat)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    padded = torch.zeros(len(spellings), max([1] + [len(sp) for sp in spellings]), dtype=torch.long)
+    padded = torch.zeros(len(spellings), max(1, int(lengths.max()) if len(spellings) else 1), dtype=torch.long)
     padded[rows, cols] = flat
     return padded, lengths

@@ -193,10 +193,10 @@ def im2col(x: torch.Tensor, stride: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 1, 1)).as_strided(((T - 1) // stride + 1, 3 * C), (stride * C, 1))
 
 
-def parameter_key(encoder) -> tuple:
-    """Changes when any parameter is replaced or modified in place (inference tensors, made under
-    `torch.inference_mode`, keep no version counter: their identity alone is the key)."""
-    return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in encoder.parameters())
+def parameter_key(*modules) -> tuple:
+    """Changes when any parameter of `modules` is replaced or modified in place (inference tensors,
+    made under `torch.inference_mode`, keep no version counter: their identity alone is the key)."""
+    return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for m in modules for p in m.parameters())
 
 
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:

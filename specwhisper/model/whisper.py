@@ -354,7 +354,7 @@ class Decoder(nn.Module):
         oneDNN's layout and its bias (k has none), reordered once and kept until a weight changes."""
         attn = self.layers[i].encoder_attn
         k, v = attn.k_proj, attn.v_proj
-        key = encoder_cpu.parameter_key(nn.ModuleList([k, v]))
+        key = encoder_cpu.parameter_key(k, v)
         kept = self.__dict__.setdefault("_cross_packed", {}).get(i)
         if kept is None or kept[0] != key:
             weight = torch.cat([k.weight, v.weight]).detach()
