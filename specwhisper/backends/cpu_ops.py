@@ -261,6 +261,17 @@ def vector_level(level: int):
         _ops().set_vector_level(before)
 
 
+@contextlib.contextmanager
+def without_vnni():
+    """Inside this block the AVX-512 level computes the screen's products without AVX512-VNNI
+    (AVX512-BW multiply-adds, the same bits): tests run that path on a CPU with VNNI."""
+    before = _ops().set_vnni(False)
+    try:
+        yield
+    finally:
+        _ops().set_vnni(before)
+
+
 def half_exact(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """dst (float16) = contiguous float32 `src` rounded to float16 -> whether every value widens
     back exactly (one pass in C++ where the ops are built)."""
