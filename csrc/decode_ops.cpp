@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <pthread.h>
@@ -2701,6 +2702,18 @@ bool set_vnni(bool enabled) {
   return before;
 }
 
+// Whether this CPU runs AVX-512 on 256-bit units (an AMD Zen 4: family 0x19 is Zen 3 and Zen 4,
+// and only Zen 4 has AVX-512), where 512-bit code has AVX2's arithmetic throughput: the encoder
+// keeps its own AVX2 attention kernel there (`cpu_ops.encoder_attention_usable`).
+bool avx512_half_width() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned family = ((a >> 8) & 0xf) + ((a >> 8 & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+  return family == 0x19 && detected_level() >= 2;
+}
+
 // The vector level the ops use now: 0 scalar, 1 AVX2 + FMA, 2 AVX-512.
 int64_t current_vector_level() { return vector_level(); }
 
@@ -2724,6 +2737,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("set_vector_level(int level) -> int");
   m.def("set_vnni(bool enabled) -> bool");
   m.def("vector_level() -> int");
+  m.def("avx512_half_width() -> bool");
   m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
@@ -2769,6 +2783,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads",
   m.impl("set_vector_level", &set_vector_level);
   m.impl("set_vnni", &set_vnni);
   m.impl("vector_level", &current_vector_level);
+  m.impl("avx512_half_width", &avx512_half_width);
 }
 
 }  // namespace specwhisper_decode

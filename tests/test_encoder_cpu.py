@@ -3,6 +3,8 @@ equal to float rounding, independent of batch neighbours, rebuilt after weights 
 real base model's greedy tokens unchanged on long speech."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -323,7 +325,8 @@ def test_encoder_attention_names_bad_input():
 @needs_avx2
 def test_fast_path_attends_with_the_kernel_on_avx2_and_with_torch_elsewhere(encoder, monkeypatch):
     """On an AVX2 CPU the fast path's full-attention layers run the kernel (one call a layer); held
-    to the scalar level, or on an AVX-512 CPU, they run torch's flash kernel; the features agree."""
+    to the scalar level, or on a CPU with full-width AVX-512, they run torch's flash kernel; the
+    features agree."""
     from specwhisper.backends import cpu_ops
 
     calls = []
@@ -339,3 +342,35 @@ def test_fast_path_attends_with_the_kernel_on_avx2_and_with_torch_elsewhere(enco
         assert len(calls) == len(encoder.layers)
     assert not torch.equal(own, flash)
     torch.testing.assert_close(own, flash, rtol=1e-4, atol=1e-4)
+
+
+def _cpuinfo() -> dict:
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if not line.strip():
+            break  # the first processor is enough
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+@needs_avx2
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs /proc/cpuinfo (Linux)")
+def test_avx512_level_keeps_the_kernel_only_where_avx512_is_half_width():
+    """At the AVX-512 level the kernel runs exactly where 512-bit code runs on 256-bit units (an AMD
+    Zen 4: vendor AuthenticAMD, family 25, AVX-512), read here from /proc/cpuinfo independently of
+    the ops' cpuid check; held to AVX2 it always runs, at the scalar level never."""
+    from specwhisper.backends import cpu_ops
+
+    info = _cpuinfo()
+    zen4 = (info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+            and "avx512f" in info.get("flags", "").split())
+    x = torch.zeros(4)
+    with torch.no_grad():
+        assert bool(cpu_ops._ops().avx512_half_width()) == zen4
+        with cpu_ops.vector_level(2):
+            assert cpu_ops.encoder_attention_usable(x) == (zen4 or cpu_ops._ops().vector_level() == 1)
+        with cpu_ops.vector_level(1):
+            assert cpu_ops.encoder_attention_usable(x)
+        with cpu_ops.vector_level(0):
+            assert not cpu_ops.encoder_attention_usable(x)
