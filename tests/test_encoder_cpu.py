@@ -51,6 +51,27 @@ def test_int8_projections_stay_close_to_float32(encoder):
         torch.testing.assert_close(encoder(mel), ref, rtol=1e-4, atol=1e-4)  # the float32 path again
 
 
+@pytest.mark.parametrize("engine", ["onednn", "fbgemm", "no-such-engine"])
+def test_int8_weights_from_either_engine_stay_close_and_leave_the_global_engine(engine, monkeypatch):
+    """`_pack_int8` packs with `INT8_ENGINE` where torch has it (else fbgemm), restores torch's
+    global quantized engine, and the product through the packed weights stays close to float32's
+    (per-row weight scales, per-call activations)."""
+    if not encoder_cpu.int8_usable():
+        pytest.skip("this torch has no fbgemm int8 linear")
+    if engine == "onednn" and "onednn" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no oneDNN quantized engine")
+    monkeypatch.setattr(encoder_cpu, "INT8_ENGINE", engine)
+    gen = torch.Generator().manual_seed(9)
+    w, b, x = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen), torch.randn(300, 64, generator=gen)
+    before = torch.backends.quantized.engine
+    packed = encoder_cpu._pack_int8(w, b, 300)
+    assert torch.backends.quantized.engine == before
+    with torch.no_grad():
+        y, ref = encoder_cpu.linear(x, packed), x @ w.T + b
+    assert y.shape == ref.shape and not torch.equal(y, ref)
+    assert ((y - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.03
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,block", [(1500, 150), (12, 3), (12, 12), (7, 1)])
 def test_block_attention_equals_attention_block_by_block(T, block, dtype):
