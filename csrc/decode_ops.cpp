@@ -1402,10 +1402,69 @@ inline void quant_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t*
   else q2_block<MR, PF>(x, K, blk, out, ldo);
 }
 
+// The same products with AVX512-VNNI: a 64-byte load holds rows 4h..4h+3 of a chunk (128-bit
+// lane r: row 4h+r's 16 bytes), each bit field of it (4 bits: 2 fields, 2 bits: 4) multiplies its
+// 16 features broadcast to every lane, vpdpbusd summing 4 byte products into each int32 lane; row
+// 4h+r's product is the sum of lane r's 4 int32s. Exact integer sums (|a lane's step| <= 4 * 15 *
+// 128), so the same values as q4_block / q2_block. base-2l's 2-bit head (Q2Head.argmax, cold, 2
+// threads of a Zen 4 EPYC, alternated in one process), 1 / 2 / 3 rows: 0.385 / 0.580 / 0.851 ->
+// 0.348 / 0.461 / 0.670 ms.
+template <int Bits, int MR, bool PF>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c"))) void quant_block512(
+    const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out, int64_t ldo) {
+  constexpr int kFields = 8 / Bits, kChunk = 16 * kFields;  // bit fields a byte, features a chunk
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << Bits) - 1));
+  __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00;  // row i, rows 4h..4h+3
+  for (int64_t c = 0; c < K / kChunk; ++c) {
+    const uint8_t* p = blk + c * kQB * 16;  // 128 bytes: two cache lines
+    if (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch + 64), _MM_HINT_T0);
+    }
+    const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
+    for (int f = 0; f < kFields; ++f) {
+      const __m512i u0 = _mm512_and_si512(_mm512_srli_epi16(w0, Bits * f), mask);
+      const __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(w1, Bits * f), mask);
+      const int8_t* xc = x + c * kChunk + 16 * f;
+      const __m512i x0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc)));
+      a00 = _mm512_dpbusd_epi32(a00, u0, x0);
+      a01 = _mm512_dpbusd_epi32(a01, u1, x0);
+      if constexpr (MR == 2) {
+        const __m512i x1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc + K)));
+        a10 = _mm512_dpbusd_epi32(a10, u0, x1);
+        a11 = _mm512_dpbusd_epi32(a11, u1, x1);
+      }
+    }
+  }
+  const __m512i acc[2][2] = {{a00, a01}, {a10, a11}};
+  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int i = 0; i < MR; ++i) {
+    __m512i t[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i u = _mm512_add_epi32(acc[i][h], _mm512_shuffle_epi32(acc[i][h], _MM_PERM_BADC));
+      t[h] = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_CDAB));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ldo),
+                        _mm512_castsi512_si256(_mm512_permutex2var_epi32(t[0], pick, t[1])));
+  }
+}
+
 // products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
 template <int Bits>
 void quant_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
   int64_t m = 0;
+  if (vec && vector_level() >= 2 && has_vnni()) {
+    if (N == 1) {
+      quant_block512<Bits, 1, true>(x, K, blk, products, kQB);
+      return;
+    }
+    for (; m + 2 <= N; m += 2) {
+      if (m == 0) quant_block512<Bits, 2, true>(x, K, blk, products, kQB);
+      else quant_block512<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    }
+    if (m < N) quant_block512<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    return;
+  }
   if (vec) {
     if (N == 1) {
       quant_block<Bits, 1, true>(x, K, blk, products, kQB);
