@@ -51,6 +51,37 @@ def test_int8_projections_stay_close_to_float32(encoder):
         torch.testing.assert_close(encoder(mel), ref, rtol=1e-4, atol=1e-4)  # the float32 path again
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_packed_weights_serve_windows_of_every_length(encoder, int8):
+    """A draft encodes its windows' audio only (`Drafter.encode`: 1200 of 3000 frames, say): the
+    packed weights are built once, whatever length comes first, and reused for every length (no
+    re-pack when it changes), each length's layers attending as `layer_blocks` says for it, and
+    the features equal a fresh pack's for the same input."""
+    if int8 and not encoder_cpu.int8_usable():
+        pytest.skip("this torch has no fbgemm int8 linear")
+    gen = torch.Generator().manual_seed(8)
+    mels = [torch.randn(1, encoder.conv1.in_channels, n, generator=gen) for n in (1200, 3000, 600)]
+    encoder.attention_block, encoder.int8_linears = 150, int8
+    try:
+        encoder.__dict__.pop("_packed_cpu", None)
+        with torch.no_grad():
+            first = [encoder(m) for m in mels]
+            packed = encoder.__dict__["_packed_cpu"]
+            again = [encoder(m) for m in mels[::-1]][::-1]
+            assert encoder.__dict__["_packed_cpu"] is packed  # no re-pack for another length
+            fresh = []
+            for m in mels:
+                encoder.__dict__.pop("_packed_cpu")
+                fresh.append(encoder(m))
+            refs = [encoder.reference(m) for m in mels]
+    finally:
+        del encoder.attention_block, encoder.int8_linears
+    for a, b, c, ref in zip(first, again, fresh, refs):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        if not int8:
+            torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("engine", ["onednn", "fbgemm", "no-such-engine"])
 def test_int8_weights_from_either_engine_stay_close_and_leave_the_global_engine(engine, monkeypatch):
     """`_pack_int8` packs with `INT8_ENGINE` where torch has it (else fbgemm), restores torch's

@@ -88,9 +88,13 @@ def usable_rows(x: torch.Tensor) -> bool:
 class PackedEncoder:
     """The encoder's weights in the fast path's layout (built from an `Encoder`)."""
 
-    def __init__(self, encoder, frames: int = 3000, int8: bool = False):
-        positions = frames // 2
-        blocks = encoder.layer_blocks(positions)
+    def __init__(self, encoder, int8: bool = False):
+        # packed for a whole window's rows (`pack`'s layout hint), whatever window comes first: a
+        # draft's shorter windows (its audio only, `Drafter.encode`) reuse them, where packing per
+        # frame count had re-packed tiny.en's encoder (75 ms) whenever a window's length changed
+        positions = encoder.embed_positions.weight.shape[0]
+        frames = 2 * positions
+        self.layer_blocks = encoder.layer_blocks  # each layer's attention block, per window length
         pack_layer = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
         # conv weight [O, C, 3] -> [O, 3*C]: kernel-major, channel-minor, as `im2col` lays columns
@@ -98,13 +102,13 @@ class PackedEncoder:
         self.conv2 = (pack(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), positions), c2.bias.detach())
         self.positions = encoder.embed_positions.weight.detach()
         self.layers = []
-        for layer, block in zip(encoder.layers, blocks):
+        for layer in encoder.layers:
             a = layer.self_attn
             scale = a.head_dim ** -0.5
             qkv = torch.cat([a.q_proj.weight * scale, a.k_proj.weight, a.v_proj.weight])
             qkv_bias = torch.cat([a.q_proj.bias * scale, torch.zeros_like(a.q_proj.bias), a.v_proj.bias])
             self.layers.append(dict(
-                ln1=layer.self_attn_layer_norm, ln2=layer.final_layer_norm, heads=a.n_heads, block=block,
+                ln1=layer.self_attn_layer_norm, ln2=layer.final_layer_norm, heads=a.n_heads,
                 qkv=pack_layer(qkv, qkv_bias, positions),
                 out=pack_layer(a.out_proj.weight, a.out_proj.bias, positions),
                 fc1=pack_layer(layer.fc1.weight, layer.fc1.bias, positions),
@@ -120,30 +124,31 @@ class PackedEncoder:
         x = GELU_(linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
         x = GELU_(linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
         x.add_(self.positions[: x.shape[0]])
-        for layer in self.layers:
-            x = self.block(x, layer)
+        for layer, block in zip(self.layers, self.layer_blocks(x.shape[0])):
+            x = self.block(x, layer, block)
         ln = self.layer_norm
         return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
     @staticmethod
-    def block(x: torch.Tensor, p: dict) -> torch.Tensor:
-        """One pre-norm encoder layer on x [T, d]."""
+    def block(x: torch.Tensor, p: dict, block: int | None) -> torch.Tensor:
+        """One pre-norm encoder layer on x [T, d], attending within blocks of `block` positions
+        (None: full attention)."""
         T, d = x.shape
         H = p["heads"]
         ln1, ln2 = p["ln1"], p["ln2"]
         h = F.layer_norm(x, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps)
         qkv = linear(h, p["qkv"])  # [T, 3 d], q pre-scaled
-        if p["block"] is None and cpu_ops.encoder_attention_usable(qkv):
+        if block is None and cpu_ops.encoder_attention_usable(qkv):
             o = cpu_ops.encoder_attention(qkv, H)  # [T, d], read from qkv in place
         else:
             # head-major copies: the flash kernel runs ≈ 8% faster on them, the copy included
             q, k, v = qkv.view(1, T, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()  # [1, H, T, Dh]
-            if p["block"] is None:
+            if block is None:
                 o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # q is pre-scaled
             else:
                 from .whisper import block_attention  # (whisper.py imports this module)
 
-                o = block_attention(q, k, v, p["block"])  # a draft's local layers (`Whisper.local_encoder`)
+                o = block_attention(q, k, v, block)  # a draft's local layers (`Whisper.local_encoder`)
             o = o.transpose(1, 2).reshape(T, d)  # the kernel's output is [T, H, Dh] in memory: a view
         x = _linear_add(o, x, p["out"])  # x + out_proj(o)
         h = F.layer_norm(x, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps)
@@ -220,10 +225,10 @@ def parameter_key(*modules) -> tuple:
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
     """mel [B, n_mels, frames] -> features [B, frames // 2, d] by the fast path (check `usable`)."""
     int8 = encoder.int8_linears
-    key = (parameter_key(encoder), mel.shape[-1], int8, encoder.attention_block, encoder.local_last)
+    key = (parameter_key(encoder), int8, encoder.attention_block, encoder.local_last)
     cached = encoder.__dict__.get("_packed_cpu")
     if cached is None or cached[0] != key:
-        cached = (key, PackedEncoder(encoder, mel.shape[-1], int8))
+        cached = (key, PackedEncoder(encoder, int8))
         encoder.__dict__["_packed_cpu"] = cached
     with torch.no_grad():
         return cached[1](mel)
