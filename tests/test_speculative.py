@@ -340,7 +340,8 @@ def test_measured_costs_are_kept_on_disk_per_machine_and_pair(target, drafts, me
                                                                monkeypatch):
     """The adaptive k's pass costs are measured once per machine and pair and read back by later
     engines (a one-shot CLI run paid them in every process); a changed checkpoint file, another
-    thread count, or an unreadable file measure them again; SPECWHISPER_COSTS_DIR=off keeps none.
+    thread count, other code (`code_digest`), or an unreadable file measure them again;
+    SPECWHISPER_COSTS_DIR=off keeps none.
     The output never changes."""
     from specwhisper.engine import draft as draft_mod
 
@@ -380,10 +381,18 @@ def test_measured_costs_are_kept_on_disk_per_machine_and_pair(target, drafts, me
     finally:
         torch.set_num_threads(threads)
     assert len(measured) == 3 and len(list(folder.glob("*.json"))) == 2
+    monkeypatch.setattr(draft_mod, "code_digest", lambda: "other code")  # other kernels: measured again
+    run()
+    assert len(measured) == 4 and len(list(folder.glob("*.json"))) == 3
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECWHISPER_COSTS_DIR", str(folder))
+    monkeypatch.setattr(draft_mod.Drafter, "measure_costs", counting)
+    run()  # this code again: read back
+    assert len(measured) == 4
     monkeypatch.setenv("SPECWHISPER_COSTS_DIR", "off")
     shutil.rmtree(folder)
     run()
-    assert len(measured) == 4 and not folder.exists()
+    assert len(measured) == 5 and not folder.exists()
     assert draft_mod.costs_folder() is None
     monkeypatch.delenv("SPECWHISPER_COSTS_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

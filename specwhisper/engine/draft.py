@@ -16,7 +16,7 @@ import torch
 
 from ..constants import MAX_ADAPTIVE_K as MAX_K
 from ..backends import cpu_ops
-from ..backends.ops import machine_cache
+from ..backends.ops import csrc_dir, machine_cache
 from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
 from .vocab import VocabMap, padded_spellings
@@ -229,7 +229,8 @@ class Drafter:
             return None
         from .. import __version__
 
-        return dict(format=COSTS_FORMAT, specwhisper=__version__, torch=torch.__version__, cpu=cpu_ops.cpu_model(),
+        return dict(format=COSTS_FORMAT, specwhisper=__version__, code=code_digest(), torch=torch.__version__,
+                    cpu=cpu_ops.cpu_model(),
                     capability=torch.backends.cpu.get_cpu_capability(), vector_level=cpu_ops.current_vector_level(),
                     threads=torch.get_num_threads(), dtype=str(dtype), target=models[0], draft=models[1],
                     compact=bool(self.draft.model.decoder.compact), shared_encoder=self.shared_encoder,
@@ -304,6 +305,19 @@ class Drafter:
 
 
 COSTS_FORMAT = 1  # what `measure_costs` returns; a change makes every kept file stale
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code the costs depend on (the package's Python files and the C++ sources):
+    costs kept from other kernels are measured again (a version number does not move with every
+    change: a draft encoder 40% faster kept its old setup cost and stayed switched off)."""
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    sources = sorted(package.rglob("*.py")) + sorted(Path(str(csrc_dir())).glob("*.[ch]*"))
+    for path in sources:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def costs_folder() -> Path | None:
