@@ -698,9 +698,9 @@ def test_fused_step_off_the_main_thread_starts_no_threads(head64):
     def in_thread(record, cache):
         try:
             with torch.inference_mode():
-                before = len(os.listdir("/proc/self/task"))
+                before = set(os.listdir("/proc/self/task"))
                 record.append(dec.hidden(tokens, pos, cache))
-                record.append((before, len(os.listdir("/proc/self/task"))))  # while this thread lives
+                record.append((before, set(os.listdir("/proc/self/task"))))  # while this thread lives
         except Exception as exc:  # reported below
             record.append(exc)
 
@@ -719,7 +719,8 @@ def test_fused_step_off_the_main_thread_starts_no_threads(head64):
     assert len(seen) == 2 and not isinstance(seen[0], Exception), seen
     assert torch.equal(seen[0], expected)
     before, after = seen[1]
-    assert after == before, f"the step started {after - before} threads"
+    # threads that started (one that ended meanwhile, another test's engine loop, say, is no concern)
+    assert not after - before, f"the step started {len(after - before)} threads"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
