@@ -94,7 +94,6 @@ class PackedEncoder:
         # frame count had re-packed tiny.en's encoder (75 ms) whenever a window's length changed
         positions = encoder.embed_positions.weight.shape[0]
         frames = 2 * positions
-        self.layer_blocks = encoder.layer_blocks  # each layer's attention block, per window length
         pack_layer = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
         # conv weight [O, C, 3] -> [O, 3*C]: kernel-major, channel-minor, as `im2col` lays columns
@@ -115,16 +114,17 @@ class PackedEncoder:
                 fc2=pack_layer(layer.fc2.weight, layer.fc2.bias, positions)))
         self.layer_norm = encoder.layer_norm
 
-    def __call__(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel [B, n_mels, frames] float32 -> features [B, frames // 2, d], one window at a time."""
-        return torch.stack([self.window(m) for m in mel])
+    def __call__(self, mel: torch.Tensor, layer_blocks) -> torch.Tensor:
+        """mel [B, n_mels, frames] float32 -> features [B, frames // 2, d], one window at a time;
+        layer_blocks(T): each layer's attention block for T positions (`Encoder.layer_blocks`)."""
+        return torch.stack([self.window(m, layer_blocks) for m in mel])
 
-    def window(self, mel: torch.Tensor) -> torch.Tensor:
+    def window(self, mel: torch.Tensor, layer_blocks) -> torch.Tensor:
         """mel [n_mels, frames] -> [frames // 2, d]."""
         x = GELU_(linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
         x = GELU_(linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
         x.add_(self.positions[: x.shape[0]])
-        for layer, block in zip(self.layers, self.layer_blocks(x.shape[0])):
+        for layer, block in zip(self.layers, layer_blocks(x.shape[0])):
             x = self.block(x, layer, block)
         ln = self.layer_norm
         return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
@@ -231,4 +231,4 @@ def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
         cached = (key, PackedEncoder(encoder, int8))
         encoder.__dict__["_packed_cpu"] = cached
     with torch.no_grad():
-        return cached[1](mel)
+        return cached[1](mel, encoder.layer_blocks)
