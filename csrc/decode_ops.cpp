@@ -1393,15 +1393,6 @@ __attribute__((target("avx2,fma,f16c"))) void q2_block(const int8_t* x, int64_t 
   store_block_sums<MR>(acc, out, ldo);
 }
 
-// Bits-bit heads (4: `Q4Head`, 2: `Q2Head`): one block's kernel, the products of a block, and a
-// token's centered integer product (the exact q_v . p in the copy's integer units: 4-bit q = u - 8;
-// 2-bit 2q = 2u - 3).
-template <int Bits, int MR, bool PF>
-inline void quant_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out, int64_t ldo) {
-  if constexpr (Bits == 4) q4_block<MR, PF>(x, K, blk, out, ldo);
-  else q2_block<MR, PF>(x, K, blk, out, ldo);
-}
-
 // The same products with AVX512-VNNI: a 64-byte load holds rows 4h..4h+3 of a chunk (128-bit
 // lane r: row 4h+r's 16 bytes), each bit field of it (4 bits: 2 fields, 2 bits: 4) multiplies its
 // 16 features broadcast to every lane, vpdpbusd summing 4 byte products into each int32 lane; row
@@ -1449,32 +1440,31 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c"))) vo
   }
 }
 
+// Bits-bit heads (4: `Q4Head`, 2: `Q2Head`): one block's kernel, the products of a block, and a
+// token's centered integer product (the exact q_v . p in the copy's integer units: 4-bit q = u - 8;
+// 2-bit 2q = 2u - 3).
+template <int Bits, int MR, bool PF>
+inline void quant_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out, int64_t ldo, bool vnni) {
+  if (vnni) quant_block512<Bits, MR, PF>(x, K, blk, out, ldo);
+  else if constexpr (Bits == 4) q4_block<MR, PF>(x, K, blk, out, ldo);
+  else q2_block<MR, PF>(x, K, blk, out, ldo);
+}
+
 // products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
 template <int Bits>
 void quant_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
   int64_t m = 0;
-  if (vec && vector_level() >= 2 && has_vnni()) {
-    if (N == 1) {
-      quant_block512<Bits, 1, true>(x, K, blk, products, kQB);
-      return;
-    }
-    for (; m + 2 <= N; m += 2) {
-      if (m == 0) quant_block512<Bits, 2, true>(x, K, blk, products, kQB);
-      else quant_block512<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB);
-    }
-    if (m < N) quant_block512<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB);
-    return;
-  }
+  const bool vnni = vec && vector_level() >= 2 && has_vnni();  // AVX512-VNNI: quant_block512
   if (vec) {
     if (N == 1) {
-      quant_block<Bits, 1, true>(x, K, blk, products, kQB);
+      quant_block<Bits, 1, true>(x, K, blk, products, kQB, vnni);
       return;
     }
     for (; m + 2 <= N; m += 2) {
-      if (m == 0) quant_block<Bits, 2, true>(x, K, blk, products, kQB);
-      else quant_block<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB);
+      if (m == 0) quant_block<Bits, 2, true>(x, K, blk, products, kQB, vnni);
+      else quant_block<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB, vnni);
     }
-    if (m < N) quant_block<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB);
+    if (m < N) quant_block<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB, vnni);
   } else {
     for (; m < N; ++m)
       for (int j = 0; j < kQB; ++j)
