@@ -890,6 +890,14 @@ __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int
   }
 }
 
+// Calls f(m, rows) for M rows in the fewest groups of at most `most` rows, balanced (7 of at most
+// 6: 4 + 3): the int8 screens' row groups.
+template <typename F>
+inline void balanced_groups(int64_t M, int64_t most, F&& f) {
+  const int64_t groups = (M + most - 1) / most, base = M / groups, extra = M % groups;
+  for (int64_t g = 0, m = 0; g < groups; m += base + (g < extra), ++g) f(m, base + (g < extra));
+}
+
 // Every row against one int8 block: 1 or 2 rows in one pass over the block (q16_block: the
 // one-row step's path; the halves measured slower there), 3 and more in balanced groups of at most
 // 6 over each half (6 rows: one group, 7: 4 + 3, 9: 5 + 4); the first group prefetches the next block.
@@ -900,16 +908,25 @@ __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int
 __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
                                                        const int8_t* next, float* out, int64_t ldo) {
   if (M > 2) {
-    const int64_t groups = (M + 5) / 6, base = M / groups, extra = M % groups;
-    for (int64_t g = 0, m = 0; g < groups; m += base + (g < extra), ++g) {
-      const int64_t rows = base + (g < extra);
+    balanced_groups(M, 6, [&](int64_t m, int64_t rows) {
       if (m == 0) q16_halves<true>(rows, x, K, blk, out, ldo, next);
       else q16_halves<false>(rows, x + m * K, K, blk, out + m * ldo, ldo, next);
-    }
+    });
     return;
   }
   if (M == 2) q16_block<2, true>(x, K, blk, out, ldo, next);
   else q16_block<1, true>(x, K, blk, out, ldo, next);
+}
+
+// The totals of the four 128-bit lanes of a (int32 lanes 0-3 of the result) and of b (lanes 4-7):
+// a block's 8 row products from its two accumulators (exact integers: any order, the same sums).
+__attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) inline __m256i lane_totals(__m512i a, __m512i b) {
+  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+  a = _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_BADC));
+  a = _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_CDAB));
+  b = _mm512_add_epi32(b, _mm512_shuffle_epi32(b, _MM_PERM_BADC));
+  b = _mm512_add_epi32(b, _mm512_shuffle_epi32(b, _MM_PERM_CDAB));
+  return _mm512_castsi512_si256(_mm512_permutex2var_epi32(a, pick, b));
 }
 
 // The same products with AVX-512 (BW): a 32-byte load holds rows 4h..4h+3 of the block, lanes 4r..4r+3
@@ -946,18 +963,8 @@ __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t
     }                                                                                                            \
     const __m512i acc[9][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41},                       \
                                {a50, a51}, {a60, a61}, {a70, a71}, {a80, a81}};                                  \
-    /* output 4h + r: the sum of 128-bit lane r of acc[i][h] (exact integers: any order, the same sum), */     \
-    /* lane 0 of each lane's total gathered into 8 outputs */                                                    \
-    const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);               \
-    for (int i = 0; i < MR; ++i) {                                                                               \
-      __m512i t[2];                                                                                              \
-      for (int h = 0; h < 2; ++h) {                                                                              \
-        const __m512i u = _mm512_add_epi32(acc[i][h], _mm512_shuffle_epi32(acc[i][h], _MM_PERM_BADC));          \
-        t[h] = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_CDAB));                                      \
-      }                                                                                                          \
-      const __m512i sums = _mm512_permutex2var_epi32(t[0], pick, t[1]);                                          \
-      _mm256_storeu_ps(out + i * ldo, _mm256_cvtepi32_ps(_mm512_castsi512_si256(sums)));                         \
-    }                                                                                                            \
+    for (int i = 0; i < MR; ++i) /* output 4h + r: the total of 128-bit lane r of acc[i][h] */                 \
+      _mm256_storeu_ps(out + i * ldo, _mm256_cvtepi32_ps(lane_totals(acc[i][0], acc[i][1])));                  \
   }
 #define Q16_MADD(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
 #define Q16_DPWSSD(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
@@ -986,11 +993,10 @@ constexpr int64_t kQ512Rows = 9;
 template <bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) void q16_rows512(
     const int16_t* x, int64_t M, int64_t K, const int8_t* blk, const int8_t* next, float* out, int64_t ldo) {
-  const int64_t groups = (M + kQ512Rows - 1) / kQ512Rows, base = M / groups, extra = M % groups;
-  for (int64_t g = 0, m = 0; g < groups; m += base + (g < extra), ++g) {
+  balanced_groups(M, kQ512Rows, [&](int64_t m, int64_t rows) {
     const int16_t* xm = x + m * K;
     float* o = out + m * ldo;
-    switch (base + (g < extra)) {
+    switch (rows) {
       case 1: q16_group512<VNNI, 1>(xm, K, blk, o, ldo, next, m == 0); break;
       case 2: q16_group512<VNNI, 2>(xm, K, blk, o, ldo, next, m == 0); break;
       case 3: q16_group512<VNNI, 3>(xm, K, blk, o, ldo, next, m == 0); break;
@@ -1001,7 +1007,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) void q16_rows
       case 8: q16_group512<VNNI, 8>(xm, K, blk, o, ldo, next, m == 0); break;
       default: q16_group512<VNNI, 9>(xm, K, blk, o, ldo, next, m == 0); break;
     }
-  }
+  });
 }
 
 // AVX512-VNNI for the screen's products at the AVX-512 level, unless switched off (`set_vnni`: tests
@@ -1427,17 +1433,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c"))) vo
       }
     }
   }
-  const __m512i acc[2][2] = {{a00, a01}, {a10, a11}};
-  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int i = 0; i < MR; ++i) {
-    __m512i t[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i u = _mm512_add_epi32(acc[i][h], _mm512_shuffle_epi32(acc[i][h], _MM_PERM_BADC));
-      t[h] = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_CDAB));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ldo),
-                        _mm512_castsi512_si256(_mm512_permutex2var_epi32(t[0], pick, t[1])));
-  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), lane_totals(a00, a01));
+  if constexpr (MR == 2) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ldo), lane_totals(a10, a11));
 }
 
 // Bits-bit heads (4: `Q4Head`, 2: `Q2Head`): one block's kernel, the products of a block, and a
