@@ -526,6 +526,27 @@ def test_draft_length_rule():
     assert abs(rule.cost_ratio - 0.1) < 0.01 and abs(flat.cost_ratio - 0.1) < 0.01  # per plain pass
     assert rule.best()[0] < flat.best()[0]  # the growing pass asks for fewer drafted tokens
 
+    # calibrated in a fast-memory phase (each row +25%), decoding in a phase where a row adds 8%:
+    # drafting k = 3 measures v(4) only; the other row counts' extra costs follow its scale
+    live, fixed = DraftLength(None), DraftLength(None)
+    for r in (live, fixed):
+        r.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.0 + 0.25 * (n - 1) for n in range(2, 10)],
+                    cost_ratio=0.15, setup_seconds=0.0)
+        r.plain_timed = True
+    fixed._new_verify_ratio = lambda rows, value: fixed.verify_ratio.__setitem__(rows, value)  # as before
+    for i in range(80):
+        for r in (live, fixed):
+            r.update(3, [[3, 3, 2, 3][i % 4]], [False], draft_seconds=0.45, verify_seconds=1.24)
+    assert abs(live.verify_ratio[4] - 1.24) < 0.01 and abs(fixed.verify_ratio[4] - 1.24) < 0.01
+    assert all(abs(live.verify_ratio[n] - (1.0 + 0.08 * (n - 1))) < 0.01 for n in range(2, 10))
+    assert live.verify_ratio[:2] == [1.0, 1.0] and fixed.verify_ratio[5] == 2.0
+    assert fixed.best()[0] == 3 < live.best()[0]  # fewer rows than the machine asks for, left alone
+    flat = DraftLength(None)  # a GPU: rows cost about nothing, nothing to scale
+    flat.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.15, setup_seconds=0.0)
+    for _ in range(20):
+        flat.update(3, [3], [False], draft_seconds=0.45, verify_seconds=1.3)
+    assert flat.verify_ratio[4] > 1.2 and flat.verify_ratio[5:] == [1.0] * 5
+
     short = DraftLength(None)  # the first two proposals always accepted, the third never:
     short.plain_pass = 1.0     # the pooled rate (2/3) would ask for long drafts, the positions do not
     for _ in range(60):

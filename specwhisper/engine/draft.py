@@ -449,7 +449,8 @@ class DraftLength:
     - c = (draft step time) / (plain pass time), and v(r) = (target pass over r rows) / (plain
       pass): both measured once on scratch caches before the first decision (`calibrate`: on a
       CPU each verify row adds arithmetic, v(5) ≈ 1.1-1.7 by machine; the draft step of a small model costs
-      far more than its bytes suggest), then kept up to date from the timed iterations;
+      far more than its bytes suggest), then kept up to date from the timed iterations (the
+      row counts not in use scaled with the one in use, `_new_verify_ratio`);
     - p_j is the acceptance of proposal j given the j - 1 before it were accepted, counted over
       recent iterations that reached j (exponentially weighted, with the pooled rate
       α = accepted / (accepted + rejections) as a prior): the rate depends on the position (base's
@@ -520,6 +521,8 @@ class DraftLength:
     # Only for a draft whose start is cheap (`setup_is_cheap`): tiny.en's own encoder pass held to
     # AVX2 (18 plain passes a window) made its trial cost more than it won (0.96-0.99x against 0.97x)
     TRIAL = 4
+    # extra verify cost v(r) - 1 below which a pass's rows count as free (`_new_verify_ratio`)
+    FLAT = 0.02
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
@@ -605,6 +608,20 @@ class DraftLength:
             self.setup *= self.plain_pass / new
         self.plain_pass, self.plain_timed = new, True
 
+    def _new_verify_ratio(self, rows: int, value: float) -> None:
+        """v(rows) measured anew. What a pass's extra rows cost moves with the machine's state (a
+        shared machine's memory bandwidth: on a 2-vCPU Zen 4 EPYC v(5) read 2.0 in one minute and
+        1.3 in another), and only the row counts in use are measured: the others' extra costs
+        v(r) - 1 move by the same factor, so their shape stays the calibration's and their scale is
+        current. Left at the calibration's values, a v(5) calibrated at 2.11 kept base's distilled
+        draft at k = 3 in a phase where k = 4 measured faster (bench: adaptive 1.23x against k = 3's
+        1.42x and k = 4's 1.33x). No rescaling where the extra cost is about nil (a GPU's flat v)."""
+        old, self.verify_ratio[rows] = self.verify_ratio[rows], value
+        if old - 1.0 > self.FLAT and value - 1.0 > self.FLAT:
+            factor = min(max((value - 1.0) / (old - 1.0), 0.5), 2.0)
+            self.verify_ratio = [v if r < 2 or r == rows else 1.0 + (v - 1.0) * factor
+                                 for r, v in enumerate(self.verify_ratio)]
+
     def charge(self, seconds: float, rows: int = 1) -> None:
         """A draft setup of `seconds` for `rows` windows (their drafts started)."""
         if self.fixed is None and self.plain_pass:
@@ -684,7 +701,7 @@ class DraftLength:
                 self.reach[j] += 1 / len(rows)
                 self.hit[j] += (a >= j) / len(rows)
         if verify_seconds > 0 and self.plain_pass:
-            self.verify_ratio[k + 1] = self._follow(self.verify_ratio[k + 1], verify_seconds / self.plain_pass)
+            self._new_verify_ratio(k + 1, self._follow(self.verify_ratio[k + 1], verify_seconds / self.plain_pass))
             self.cost_ratio = self._follow(self.cost_ratio, draft_seconds / k / self.plain_pass)
         refresh = self.spec_iters % self.REFRESH_SPEC == 0
         self.on = self.pays()
