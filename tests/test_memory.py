@@ -87,3 +87,37 @@ def test_step_buffers_heads_and_caches_hold_the_same_values():
     assert torch.equal(ScreenedHead(w).argmax(h), (h @ w.T).argmax(-1))
     q4 = Q4Head(w)
     assert q4.packed.is_contiguous() and q4.packed.shape == (625, 16, 8, 16)
+
+
+FAULTS = """
+import resource, sys
+import specwhisper, torch
+from specwhisper.model import memory
+applied = memory.keep_freed_memory()
+torch.ones(3 << 20)  # 12 MB, a window's fc1 output in base's encoder
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(50):
+    torch.ones(3 << 20).add_(1)
+print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50)
+"""
+
+
+def faults_per_tensor(env: dict) -> tuple[bool, float]:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FAULTS], env={**os.environ, **env}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0] == "True", float(out[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="Linux (glibc) only")
+def test_freed_memory_is_kept_so_fresh_tensors_fault_no_pages():
+    """With `keep_freed_memory` a fresh 12 MB tensor reuses heap already faulted in; without it
+    (torch's huge-page allocation on, as `import specwhisper` sets it) each one faulted ~520 pages
+    here. SPECWHISPER_MALLOC_TUNING=0 leaves malloc alone."""
+    applied, kept = faults_per_tensor({})
+    assert applied and kept < 8, kept
+    applied, default = faults_per_tensor({"SPECWHISPER_MALLOC_TUNING": "0"})
+    assert not applied and default >= kept

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import cpu_ops
+from .memory import keep_freed_memory
 
 MKLDNN = torch.ops.mkldnn
 GELU_ = torch.ops.aten.gelu_  # in place, erf form (Whisper's)
@@ -94,6 +95,7 @@ class PackedEncoder:
         # frame count had re-packed tiny.en's encoder (75 ms) whenever a window's length changed
         positions = encoder.embed_positions.weight.shape[0]
         frames = 2 * positions
+        keep_freed_memory()  # the products' fresh outputs: no page faults a window
         pack_layer = _pack_int8 if int8 else _pack_weights
         c1, c2 = encoder.conv1, encoder.conv2
         # conv weight [O, C, 3] -> [O, 3*C]: kernel-major, channel-minor, as `im2col` lays columns
