@@ -2608,6 +2608,43 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
   return step_layer_norm(x, final_weight, final_bias, eps);  // the decoder's last norm
 }
 
+// k greedy draft proposals in one call (spec: engine/drafting.py `DraftSide.propose`'s loop for
+// greedy rows of a compact draft): decoder_step over tokens [B, T] at input_pos (keep = 1), the
+// draft's Bits-bit head (quant_argmax) on its last position, then k - 1 times the proposal fed back
+// at position next_pos + j (j = 0..k-2) and proposed from. The same ops in the same order as the
+// Python loop, so the same proposals and cache entries, without the ~40 small torch calls and
+// argument conversions a draft iteration's loop cost in Python (≈ 0.1 ms a draft step, each
+// slow on the caches the step's streaming leaves cold). -> proposals [B, k] (draft ids).
+at::Tensor draft_greedy(const at::Tensor& tokens, const at::Tensor& input_pos, const at::Tensor& token_embedding,
+                        const at::Tensor& position_embedding, at::TensorList params, const at::Tensor& self_k,
+                        const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v, int64_t kv_len,
+                        int64_t n_heads, double eps, const at::Tensor& final_weight, const at::Tensor& final_bias,
+                        const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& weight, int64_t candidates,
+                        const c10::optional<at::Tensor>& banned, int64_t bits, const at::Tensor& next_pos, int64_t k) {
+  TORCH_CHECK(bits == 2 || bits == 4, "draft_greedy: a 2- or 4-bit head, got ", bits);
+  TORCH_CHECK(k >= 1, "draft_greedy: k ", k, " < 1");
+  const int64_t B = tokens.size(0);
+  TORCH_CHECK(next_pos.dim() == 1 && next_pos.size(0) == B, "draft_greedy: next_pos [B]");
+  auto propose = [&](const at::Tensor& hidden) {  // [B, 1, d] -> [B]
+    const at::Tensor h = hidden.reshape({B, hidden.size(2)});
+    return bits == 2 ? quant_argmax<2>(h, packed, scale, weight, candidates, banned, "draft_greedy")
+                     : quant_argmax<4>(h, packed, scale, weight, candidates, banned, "draft_greedy");
+  };
+  const int64_t T = tokens.size(1);
+  at::Tensor out = at::empty({B, k}, tokens.options().dtype(at::kLong));
+  at::Tensor hidden = decoder_step(tokens, input_pos, token_embedding, position_embedding, params, self_k, self_v,
+                                   cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, T > 1 ? 1 : 0);
+  const at::Tensor pos0 = next_pos.to(at::kLong);
+  for (int64_t j = 0; j < k; ++j) {
+    const at::Tensor x = propose(hidden);
+    out.select(1, j).copy_(x);
+    if (j + 1 < k)
+      hidden = decoder_step(x.view({B, 1}), (pos0 + j).view({B, 1}), token_embedding, position_embedding, params,
+                            self_k, self_v, cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, 0);
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------ the screened head's int8 copy
 // One row of quantize_head: q into its block rows (out[(k / 8) * 64 + k % 8]), and the three
 // float64 sums of squares, each over 4 lanes (feature k in lane k % 4) added as (l0 + l2) + (l1 + l3).
@@ -2795,6 +2832,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("avx512_half_width() -> bool");
   m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
+  m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("gelu(Tensor x) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
@@ -2827,6 +2865,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("kv_write", &kv_write);
   m.impl("commit_tokens", &commit_tokens);
   m.impl("decoder_step", &decoder_step);
+  m.impl("draft_greedy", &draft_greedy);
   m.impl("layer_norm", &step_layer_norm);
   m.impl("gelu", &step_gelu);
   m.impl("encoder_attention", &encoder_attention);

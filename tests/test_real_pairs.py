@@ -171,3 +171,45 @@ def test_failed_admission_ends_its_requests_and_the_engine_serves_on(stage, mels
     later = engine.submit(mels[1], language="en", max_new_tokens=MAX_NEW)
     engine.run_until([later])
     assert later.result().tokens == alone.transcribe(mels[1], language="en", max_new_tokens=MAX_NEW).tokens
+
+
+@pytest.mark.parametrize("draft", ["base-2l", "tiny.en"])
+def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines, mels, monkeypatch):
+    """`cpu_ops.draft_greedy` (k draft steps and the 2-bit (base-2l) or 4-bit (tiny.en) head in one
+    C++ call) against `DraftSide.propose`'s Python loop: every iteration's proposals equal, single
+    and batched, k = 1, 3 and 4 (and so the same tokens and acceptance)."""
+    from specwhisper.backends import cpu_ops
+    from specwhisper.engine.drafting import DraftSide
+
+    engine = engines("base", draft, torch.float32)
+    d = engine.drafter
+    with torch.inference_mode():
+        if not d.greedy_fused():
+            pytest.skip("no C++ decode ops here: the loop is the only path")
+    seen, calls = {True: [], False: []}, {True: 0, False: 0}
+    propose, fused_op = DraftSide.propose, cpu_ops.draft_greedy
+
+    def recorded(self, *args, **kwargs):
+        out = propose(self, *args, **kwargs)
+        seen[d.fused_greedy].append(out.clone())
+        return out
+
+    def counted(*args, **kwargs):
+        calls[d.fused_greedy] += 1
+        return fused_op(*args, **kwargs)
+
+    monkeypatch.setattr(DraftSide, "propose", recorded)
+    monkeypatch.setattr(cpu_ops, "draft_greedy", counted)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(d, "fused_greedy", fused)
+        results[fused] = []
+        for k in (1, 3, 4):
+            for x in (mels[0], mels):
+                out = engine.transcribe(x, language="en", num_draft_tokens=k, max_new_tokens=20)
+                out = out if isinstance(out, list) else [out]
+                results[fused].append([(r.tokens, r.stats.accepted, r.stats.drafted) for r in out])
+    assert calls[True] == len(seen[True]) > 10 and calls[False] == 0
+    assert len(seen[True]) == len(seen[False])
+    assert all(torch.equal(a, b) for a, b in zip(seen[True], seen[False]))
+    assert results[True] == results[False]

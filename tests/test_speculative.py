@@ -156,11 +156,14 @@ def test_a_draft_with_the_targets_embedding_reads_the_targets_head(target, draft
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="C++ decode ops unavailable")
-def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, reference):
+def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, reference, monkeypatch):
     """A compact draft (the CPU default) reads a 2-bit copy of its output head (`Q2Head`; a
     4-bit one, `Q4Head`, where its width is not a multiple of 64); its
-    proposals are what that head says (counted), and the output stays exact, greedy and batched.
-    A pruned head (draft_head_tokens) stays what was asked for."""
+    proposals are what that head says (counted: its `argmax`, or the C++ draft steps given it),
+    and the output stays exact, greedy and batched. A pruned head (draft_head_tokens) stays what
+    was asked for."""
+    from specwhisper.backends import cpu_ops
+
     engine = Engine(target, drafts["noisy"])
     head = engine.drafter.head
     two_bit = engine.drafter.shared_encoder and engine.drafter.draft.config.d_model % 64 == 0
@@ -168,8 +171,10 @@ def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, ref
     # its float32 rows are the embedding itself, not a copy
     assert head.weight.data_ptr() == engine.drafter.draft.model.decoder.embed_tokens.weight.data_ptr()
     calls = []
-    argmax = head.argmax
+    argmax, fused = head.argmax, cpu_ops.draft_greedy
     head.argmax = lambda h, banned=None: calls.append(h.shape[0]) or argmax(h, banned)
+    monkeypatch.setattr(cpu_ops, "draft_greedy",
+                        lambda *a: calls.append(a[1].shape[0] * a[-1] * (a[5] is head)) or fused(*a))
     out = engine.transcribe(mels[:3], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
     assert [o.tokens for o in out] == reference[:3]
     assert sum(o.stats.drafted for o in out) > 0 and sum(calls) > 0

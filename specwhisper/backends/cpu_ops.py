@@ -240,6 +240,19 @@ def decoder_step(decoder, tokens, input_pos, cache, kv_len: int, keep: int = 0):
                                decoder.layer_norm.bias, keep)
 
 
+def draft_greedy(decoder, tokens, input_pos, cache, kv_len: int, head, banned, next_pos, k: int):
+    """`engine.drafting.DraftSide.propose`'s greedy loop in one C++ call: `decoder.hidden(tokens,
+    input_pos, cache, kv_len, keep=1)`, `head.argmax` (a 2- or 4-bit `Q4Head`) on it, then k - 1
+    times the proposal fed back at next_pos + j and proposed from -> proposals [B, k], the same bits
+    (callers check `decoder.cpu_fused()` and the head's `active` first)."""
+    first = decoder.layers[0]
+    return _ops().draft_greedy(tokens, input_pos, decoder.embed_tokens.weight, decoder.embed_positions.weight,
+                               decoder.layer_params(), cache.self_k, cache.self_v, cache.cross_k, cache.cross_v,
+                               kv_len, first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
+                               decoder.layer_norm.bias, head.packed, head.scale, head.weight, head.candidates,
+                               banned, head.BITS, next_pos, k)
+
+
 def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial, suppress,
               blank_ids, eot: int, no_timestamps: int, timestamp_begin: int):
     """`engine.rules.rule_mask_reference` in one C++ call (callers check `active` first)."""

@@ -157,6 +157,14 @@ class Drafter:
         sot_seq = tok.prompt(language, spec.task)[:-1]  # without <|notimestamps|>
         return prev + sot_seq + ([] if spec.timestamps else [tok.no_timestamps])
 
+    fused_greedy = True  # False: the greedy draft steps one call each (`greedy_fused`'s spec)
+
+    def greedy_fused(self) -> bool:
+        """Greedy proposals run as one C++ call for all k steps (`cpu_ops.draft_greedy`): a compact
+        draft's 2- or 4-bit head and a decoder whose steps are one C++ call each."""
+        return (self.fused_greedy and isinstance(self.head, Q4Head) and cpu_ops.active(self.head.weight)
+                and self.draft.model.decoder.cpu_fused())
+
     def greedy(self, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
         """Draft greedy proposals [B, T] from hidden [B, T, d]."""
         return greedy_tokens(self.draft, self.head, hidden, banned)

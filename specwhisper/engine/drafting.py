@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import cpu_ops
 from ..constants import NO_PROPOSAL
 from ..model.whisper import DecoderCache
 from .choosing import Modes, Rows, choose_tokens
@@ -100,16 +101,21 @@ class DraftSide:
         src = self.uncached_positions(B, width)  # [B, width]
         feed = st.dtokens[:B].gather(1, src)
         kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
-        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1)
-        raws = []
-        for step in range(k):
-            x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
-            raws.append(x)
-            if step + 1 < k:
-                pos = (dn + step)[:, None]
-                hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len)
+        if not modes.any_sampled and d.greedy_fused():
+            # the loop below for greedy rows, in one C++ call (the same bits, `cpu_ops.draft_greedy`)
+            raw = cpu_ops.draft_greedy(ddec, feed, src, self.view(B), ddec.slots(kv_len), d.head,
+                                       d.draft.suppress, dn, k)
+        else:
+            hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1)
+            raws = []
+            for step in range(k):
+                x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
+                raws.append(x)
+                if step + 1 < k:
+                    pos = (dn + step)[:, None]
+                    hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len)
+            raw = torch.stack(raws, dim=1)  # [B, k] draft ids
         st.draft_passes[:B] += k * st.draft_on[:B].long()
-        raw = torch.stack(raws, dim=1)  # [B, k] draft ids
         st.raw[:B, :k] = raw
         st.dcached[:B] = dn + k - 1
         mapped = self.d2t[raw]

@@ -382,10 +382,9 @@ class Decoder(nn.Module):
             raise ValueError(f"keep must be at least 1, got {keep}")
         b = tokens.shape[0]
         last = self.embed_positions.num_embeddings - 1  # the last real position (447)
-        s = last + 2 if kv_len is None else kv_len  # + 1: the scratch slot
+        s = self.slots(kv_len)
         kernel = self.fused_ops  # the GPU decode ops (`Whisper.fuse_decode_ops`), or None
-        cpu = kernel is None and cpu_ops.active(self.embed_tokens.weight) \
-            and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v")
+        cpu = self.cpu_rows()
         if cpu and self.fused_step:  # all of the forward_rows branch below in one C++ call
             return cpu_ops.decoder_step(self, tokens, input_pos, cache, s, keep or 0)
         if keep is not None:
@@ -411,6 +410,19 @@ class Decoder(nn.Module):
         for layer, self_k, self_v, cross_k, cross_v in layers:
             x = layer(x, write_pos, mask, self_k, self_v, cross_k, cross_v)
         return self.layer_norm(x)
+
+    def slots(self, kv_len: int | None) -> int:
+        """The cache slots a step attends (`hidden`'s kv_len; None: every position + the scratch slot)."""
+        return self.embed_positions.num_embeddings + 1 if kv_len is None else kv_len
+
+    def cpu_rows(self) -> bool:
+        """The C++ decode ops run this decoder's rows (CPU weights, q/k/v fused, no GPU kernel)."""
+        return (self.fused_ops is None and cpu_ops.active(self.embed_tokens.weight)
+                and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"))
+
+    def cpu_fused(self) -> bool:
+        """A whole step is one C++ call (`cpu_ops.decoder_step`)."""
+        return self.fused_step and self.cpu_rows()
 
     fused_step = True  # False: run the layers one `forward_rows` call at a time (the spec)
     # float32 on the CPU: the cross K/V from oneDNN products (`cross_packed`; base, two Zen 3 cores,
