@@ -270,6 +270,11 @@ class Drafter:
             self.target.greedy(hidden, self.target.suppress)
 
         def draft_steps():  # a run of DRAFT_RUN steps right after a target pass, as an iteration drafts
+            if self.greedy_fused():  # as `DraftSide.propose` runs them
+                pos = torch.tensor([[position]], device=device)
+                cpu_ops.draft_greedy(ddec, token, pos, dcache, position + DRAFT_RUN, self.head, self.draft.suppress,
+                                     pos[0] + 1, DRAFT_RUN)
+                return
             for i in range(DRAFT_RUN):
                 pos = torch.tensor([[position + i]], device=device)
                 self.greedy(ddec.hidden(token, pos, dcache, kv_len=position + i + 1), self.draft.suppress)
