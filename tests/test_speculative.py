@@ -171,10 +171,9 @@ def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, ref
     # its float32 rows are the embedding itself, not a copy
     assert head.weight.data_ptr() == engine.drafter.draft.model.decoder.embed_tokens.weight.data_ptr()
     calls = []
-    argmax, fused = head.argmax, cpu_ops.draft_greedy
+    argmax, fused = head.argmax, cpu_ops.draft_propose
     head.argmax = lambda h, banned=None: calls.append(h.shape[0]) or argmax(h, banned)
-    monkeypatch.setattr(cpu_ops, "draft_greedy",
-                        lambda *a: calls.append(a[1].shape[0] * a[-1] * (a[5] is head)) or fused(*a))
+    monkeypatch.setattr(cpu_ops, "draft_propose", lambda *a: calls.append(a[7] * a[8] * (a[1] is head)) or fused(*a))
     out = engine.transcribe(mels[:3], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
     assert [o.tokens for o in out] == reference[:3]
     assert sum(o.stats.drafted for o in out) > 0 and sum(calls) > 0

@@ -253,6 +253,19 @@ def draft_greedy(decoder, tokens, input_pos, cache, kv_len: int, head, banned, n
                                banned, head.BITS, next_pos, k)
 
 
+def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int, k: int, width: int, max_pos: int):
+    """`engine.drafting.DraftSide.propose` for greedy rows (eager) in one C++ call: the uncached
+    tokens fed, `draft_greedy`'s k proposals, and the slot state (`state`: draft_passes, raw,
+    dcached, proposals) updated in place as `propose` does."""
+    first = decoder.layers[0]
+    _ops().draft_propose(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(),
+                                cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len,
+                                first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
+                                decoder.layer_norm.bias, head.packed, head.scale, head.weight, head.candidates,
+                                banned, head.BITS, state.dtokens, state.dn, state.dcached, state.draft_on,
+                                state.row_k, d2t, state.raw, state.proposals, state.draft_passes, B, k, width, max_pos)
+
+
 def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial, suppress,
               blank_ids, eot: int, no_timestamps: int, timestamp_begin: int):
     """`engine.rules.rule_mask_reference` in one C++ call (callers check `active` first)."""

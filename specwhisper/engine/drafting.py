@@ -96,26 +96,26 @@ class DraftSide:
         proposal from there on), also in `state.proposals`."""
         d, st = self.drafter, self.state
         ddec = d.draft.model.decoder
+        kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
+        if self.trim and not modes.any_sampled and d.greedy_fused():
+            # all of the below for greedy rows in one C++ call: the same proposals and state
+            cpu_ops.draft_propose(ddec, d.head, d.draft.suppress, self.view(B), ddec.slots(kv_len), st, self.d2t,
+                                  B, k, width, self.max_pos)
+            return st.proposals[:B, :k]
         slots = torch.arange(B, device=self.device)
         dn = st.dn[:B]
         src = self.uncached_positions(B, width)  # [B, width]
         feed = st.dtokens[:B].gather(1, src)
-        kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
-        if not modes.any_sampled and d.greedy_fused():
-            # the loop below for greedy rows, in one C++ call (the same bits, `cpu_ops.draft_greedy`)
-            raw = cpu_ops.draft_greedy(ddec, feed, src, self.view(B), ddec.slots(kv_len), d.head,
-                                       d.draft.suppress, dn, k)
-        else:
-            hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1)
-            raws = []
-            for step in range(k):
-                x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
-                raws.append(x)
-                if step + 1 < k:
-                    pos = (dn + step)[:, None]
-                    hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len)
-            raw = torch.stack(raws, dim=1)  # [B, k] draft ids
+        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1)
+        raws = []
+        for step in range(k):
+            x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
+            raws.append(x)
+            if step + 1 < k:
+                pos = (dn + step)[:, None]
+                hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len)
         st.draft_passes[:B] += k * st.draft_on[:B].long()
+        raw = torch.stack(raws, dim=1)  # [B, k] draft ids
         st.raw[:B, :k] = raw
         st.dcached[:B] = dn + k - 1
         mapped = self.d2t[raw]
