@@ -217,3 +217,57 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     bad = [(i, j, a[j].tolist(), b[j].tolist()) for i, (a, b) in enumerate(zip(seen[True], seen[False])) for j in range(len(a)) if not torch.equal(a[j], b[j])]
     assert not bad, bad[:4]
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("target,draft", [("base", None), ("base", "base-2l"), ("base", "tiny.en"), ("tiny.en", "base")])
+def test_fused_greedy_verify_passes_keep_what_the_python_form_keeps(target, draft, engines, mels, monkeypatch):
+    """`cpu_ops.verify_greedy` (the pass, the exact screened argmax, the accepted prefix committed
+    and counted, the draft's state kept in step, in one C++ call) against `Runner.verify_step`'s
+    Python form: after every pass the same tokens, counts and draft state, single and batched,
+    plain steps and k = 1, 3 (tiny.en drafted by base: spellings of several draft tokens)."""
+    from specwhisper.backends import cpu_ops
+    from specwhisper.engine.runner import Runner
+
+    engine = engines(target, draft, torch.float32)
+    runner = engine.runner
+    seen, calls = {True: [], False: []}, {True: 0, False: 0}
+    verify, fused_op = Runner.verify_step, cpu_ops.verify_greedy
+
+    def recorded(self, B, *args, **kwargs):
+        out = verify(self, B, *args, **kwargs)
+        st = self.state
+        n = st.n_tokens[:B].tolist()
+        row = [st.tokens[b, :n[b]].clone() for b in range(B)]
+        row += [t[:B].clone() for t in (st.n_tokens, st.done, st.target_passes, st.drafted, st.accepted_total,
+                                         st.accepted_now)]
+        if self.draft_side is not None:
+            dn = st.dn[:B].tolist()
+            row += [st.dtokens[b, :dn[b]].clone() for b in range(B)] + [st.dn[:B].clone(), st.dcached[:B].clone()]
+        seen[self.fused_greedy].append(row)
+        return out
+
+    def counted(*args, **kwargs):
+        calls[runner.fused_greedy] += 1
+        return fused_op(*args, **kwargs)
+
+    monkeypatch.setattr(Runner, "verify_step", recorded)
+    monkeypatch.setattr(cpu_ops, "verify_greedy", counted)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(runner, "fused_greedy", fused)
+        results[fused] = []
+        for k in ((None,) if draft is None else (1, 3)):
+            for x in (mels[0], mels):
+                out = engine.transcribe(x, language="en", num_draft_tokens=k, max_new_tokens=20)
+                out = out if isinstance(out, list) else [out]
+                results[fused].append([(r.tokens, r.stats.accepted, r.stats.drafted, r.stats.target_passes)
+                                       for r in out])
+    if not cpu_ops.available():
+        assert calls[True] == 0
+        return
+    assert calls[True] == len(seen[True]) > 10 and calls[False] == 0
+    assert len(seen[True]) == len(seen[False])
+    bad = [(i, j) for i, (a, b) in enumerate(zip(seen[True], seen[False]))
+           for j, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+    assert not bad, bad[:4]
+    assert results[True] == results[False]

@@ -266,6 +266,24 @@ def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int,
                                 state.row_k, d2t, state.raw, state.proposals, state.draft_passes, B, k, width, max_pos)
 
 
+def verify_greedy(decoder, head, suppress, cache, kv_len: int, state, B: int, k: int, eot: int, draft_side=None):
+    """`engine.runner.Runner.verify_step` for plain greedy rows (eager, no log-probabilities kept)
+    in one C++ call: the pass over each row's pending token and its k proposals, the exact
+    screened argmax (`head`, a `ScreenedHead`), the accepted prefix committed and counted, and with
+    `draft_side` its `commit` (the draft's state kept in step); `state` updated in place."""
+    from ..model.head import TINY  # (head.py imports this module)
+
+    first = decoder.layers[0]
+    side = (None,) * 7 if draft_side is None else (state.dtokens, state.dn, state.dcached, state.draft_on,
+                                                   state.raw, draft_side.t2d, draft_side.t2d_len)
+    _ops().verify_greedy(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(),
+                         cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
+                         decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
+                         head.scale, head.bound, head.weight, TINY, suppress, state.tokens, state.n_tokens,
+                         state.done, state.budget, state.proposals, state.target_passes, state.drafted,
+                         state.accepted_total, state.accepted_now, eot, B, k, draft_side is not None, *side)
+
+
 def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial, suppress,
               blank_ids, eot: int, no_timestamps: int, timestamp_begin: int):
     """`engine.rules.rule_mask_reference` in one C++ call (callers check `active` first)."""

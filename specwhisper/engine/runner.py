@@ -45,6 +45,7 @@ import torch
 from .. import sampling
 from ..backends import backend_for, cpu_ops
 from ..constants import MAX_DRAFT_TOKENS as MAX_K
+from ..model.head import ScreenedHead
 from ..model.whisper import DecoderCache
 from . import rules
 from .choosing import Modes, Rows, choose_ruled_greedy, choose_tokens, kept_logprob
@@ -341,14 +342,22 @@ class Runner:
         """`verify_accept_commit` over the first B slots -> the new lengths [B]. `shared`: see
         `shared_sampling` (rejection mode)."""
         dec = self.target.model.decoder
+        kv_len = min(int(self._host_n_max) + k + 1, self.max_pos + 1) if self.trim else None
+        cache = DecoderCache(*(t[:, :B] for t in self.cache.buffers()))
+        if self.trim and shared is None and self.greedy_fused(modes):
+            # all of the below for plain greedy rows in one C++ call: the same tokens and state
+            side = self.draft_side
+            commit = side is not None and (k > 0 or self.drafts_running(B))
+            cpu_ops.verify_greedy(dec, self.target.head, self.suppress, cache, dec.slots(kv_len), self.state, B, k,
+                                  self.eot, side if commit else None)
+            return self.state.n_tokens[:B]
         proposals = self.state.proposals[:B, :k] if k > 0 else None
         slots = self.slot_ids[:B]
         last = (self.state.n_tokens[:B] - 1)[:, None]  # [B, 1] the pending token's index and position
         pending = self.state.tokens[:B].gather(1, last)  # [B, 1]
         feed = pending if k == 0 else torch.cat([pending, proposals.clamp(min=0)], dim=1)
         pos = last if k == 0 else last + self.slot_ids[:k + 1]
-        kv_len = min(int(self._host_n_max) + k + 1, self.max_pos + 1) if self.trim else None
-        hidden = dec.hidden(feed, pos, DecoderCache(*(t[:, :B] for t in self.cache.buffers())), kv_len=kv_len)
+        hidden = dec.hidden(feed, pos, cache, kv_len=kv_len)
         choice, logits = self.choose(hidden, slots, last[:, 0], modes, proposals)  # [B, k+1]
         self.state.target_passes[:B] += 1
         if k == 0:
@@ -380,6 +389,16 @@ class Runner:
             # token saved (≈ 0.1 ms, ≈ 2% of base's step; a captured step keeps them all)
             self.draft_side.commit(B, k, n_acc)
         return self.state.n_tokens[:B]
+
+    fused_greedy = True  # False: plain greedy passes take `verify_step`'s Python form (`greedy_fused`'s spec)
+
+    def greedy_fused(self, modes: Modes) -> bool:
+        """A pass of plain greedy rows only (no log-probabilities kept) runs as one C++ call
+        (`cpu_ops.verify_greedy`): the target's exact screened head, its steps one C++ call each."""
+        head = self.target.head
+        return (self.fused_greedy and modes.any_plain and not (modes.any_ruled or modes.any_full or modes.keep_hidden)
+                and isinstance(head, ScreenedHead) and head.packed is not None and cpu_ops.active(head.weight)
+                and self.target.model.decoder.cpu_fused())
 
     def commit_target(self, slots, choice: torch.Tensor, n_emit: torch.Tensor,
                       logits: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
