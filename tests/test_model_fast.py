@@ -72,15 +72,17 @@ def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("K", [72, 520, 2048])
-def test_linear_blocks_of_many_rows_give_each_rows_bits(wdtype, K):
+@pytest.mark.parametrize("K,N", [(72, 61), (520, 61), (2048, 61), (132, 203), (520, 203)])
+def test_linear_blocks_of_many_rows_give_each_rows_bits(wdtype, K, N):
     """16 rows and more (a prompt pass, cross K/V, a window's logits) run in blocks of rows that
     fit in L2 (96 KB of features: 45 rows of 520 features, 12 of 2048, 339 of 72), each block
-    against every weight tile in groups of 3: every output is still the bits of its row alone,
-    across whole blocks, a last partial block and a last partial group, at each vector level."""
+    against every weight tile in groups of 3 (AVX2), or with AVX-512 in groups of 6 against blocks
+    of 16 tiles two at a time (203 outputs: 50 tiles, so whole and partial blocks, an odd tile
+    left; K = 132: a scalar tail after the groups of 8): every output is still the bits of its row
+    alone, across whole blocks, a last partial block and a last partial group, at each level."""
     gen = torch.Generator().manual_seed(K)
-    weight = torch.randn(61, K, generator=gen).to(wdtype)
-    bias = torch.randn(61, generator=gen)
+    weight = torch.randn(N, K, generator=gen).to(wdtype)
+    bias = torch.randn(N, generator=gen)
     x = torch.randn(350, K, generator=gen)
     for M in [16, 29, 50, 350]:
         for level in (2, 1):
