@@ -2768,16 +2768,108 @@ void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position
   }
 }
 
-// Runner.verify_step for plain greedy rows, eager (spec: engine/runner.py `verify_step`, the
-// `commit_target` it calls and DraftSide.commit; every row plain greedy, no log-probabilities
+// The bookkeeping of a greedy verify pass (spec: engine/runner.py `verify_step` after its choice,
+// the `commit_target` it calls and DraftSide.commit), for the first B slots in place, given the
+// choices [B, k + 1] of the pass over each row's pending token and its k proposals: target_passes
+// += 1; the accepted prefix n_acc (proposals equal to the choices); commit_tokens of n_acc + 1
+// choices; with `hidden` [B, k + 1, d] (float32: greedy rows whose log-probabilities are wanted)
+// the outputs that predicted the appended tokens kept in hidden_state [S, L, d]; drafted,
+// accepted_total, accepted_now; and with `draft_commit` the draft's state (the raw proposals, then
+// the last token's spelling t2d written at dn.., dcached = min(dcached, dn + n_acc), dn past the
+// spelling where the row goes on drafting). One call for the Python form's ~35 small torch calls.
+void accept_greedy(const at::Tensor& choice, const c10::optional<at::Tensor>& hidden, const at::Tensor& tokens,
+                   const at::Tensor& n_tokens, const at::Tensor& done, const at::Tensor& budget,
+                   const c10::optional<at::Tensor>& proposals, const at::Tensor& target_passes,
+                   const at::Tensor& drafted, const at::Tensor& accepted_total, const at::Tensor& accepted_now,
+                   const c10::optional<at::Tensor>& hidden_state, int64_t eot, int64_t k, bool draft_commit,
+                   const c10::optional<at::Tensor>& dtokens, const c10::optional<at::Tensor>& dn,
+                   const c10::optional<at::Tensor>& dcached, const c10::optional<at::Tensor>& draft_on,
+                   const c10::optional<at::Tensor>& raw, const c10::optional<at::Tensor>& t2d,
+                   const c10::optional<at::Tensor>& t2d_len) {
+  for (const at::Tensor* t : {&choice, &tokens, &n_tokens, &budget, &target_passes, &drafted, &accepted_total,
+                              &accepted_now})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "accept_greedy: contiguous int64 CPU state tensors");
+  TORCH_CHECK(done.scalar_type() == at::kBool && done.is_contiguous(), "accept_greedy: bool done");
+  TORCH_CHECK(tokens.dim() == 2 && choice.dim() == 2 && choice.size(1) == k + 1, "accept_greedy: choice [B, k + 1]");
+  TORCH_CHECK(k == 0 || (proposals && proposals->scalar_type() == at::kLong && proposals->is_contiguous() &&
+                         proposals->dim() == 2 && proposals->size(1) >= k),
+              "accept_greedy: k > 0 needs int64 proposals [S, K]");
+  const int64_t B = choice.size(0), T = k + 1, S = n_tokens.size(0), L = tokens.size(1);
+  const int64_t K = k > 0 ? proposals->size(1) : 0;
+  TORCH_CHECK(B >= 1 && B <= S, "accept_greedy: ", B, " rows for ", S, " slots");
+  const int64_t* pr = k > 0 ? proposals->data_ptr<int64_t>() : nullptr;
+  const int64_t *ch = choice.data_ptr<int64_t>(), *tk = tokens.data_ptr<int64_t>(), *nt = n_tokens.data_ptr<int64_t>();
+  int64_t *tp = target_passes.data_ptr<int64_t>(), *dr = drafted.data_ptr<int64_t>(),
+          *at_ = accepted_total.data_ptr<int64_t>(), *an = accepted_now.data_ptr<int64_t>();
+  bool* dn_done = done.data_ptr<bool>();
+  at::Tensor n_acc = at::zeros({B}, tokens.options());
+  int64_t* na = n_acc.data_ptr<int64_t>();
+  std::vector<int64_t> valid(B, 0), before(B);
+  std::vector<char> live(B);
+  for (int64_t b = 0; b < B; ++b) {
+    tp[b] += 1;
+    while (na[b] < k && pr[b * K + na[b]] == ch[b * T + na[b]]) ++na[b];
+    for (int64_t j = 0; j < k; ++j) valid[b] += pr[b * K + j] >= 0;
+    live[b] = !dn_done[b];
+    before[b] = nt[b];
+  }
+  const at::Tensor emitted = commit_tokens(tokens, n_tokens, done, budget, at::arange(B, tokens.options()), choice,
+                                           n_acc + 1, eot);
+  const int64_t* em = emitted.data_ptr<int64_t>();
+  if (hidden) {
+    TORCH_CHECK(hidden_state && hidden->scalar_type() == at::kFloat && hidden_state->scalar_type() == at::kFloat &&
+                hidden->dim() == 3 && hidden->size(0) == B && hidden->size(1) == T && hidden_state->dim() == 3 &&
+                hidden_state->is_contiguous() && hidden_state->size(2) == hidden->size(2),
+                "accept_greedy: float32 hidden [B, k + 1, d] and hidden_state [S, L, d]");
+    const at::Tensor h = hidden->contiguous();
+    const int64_t d = h.size(2), HL = hidden_state->size(1);
+    const float* hp = h.data_ptr<float>();
+    float* sp = hidden_state->data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < em[b]; ++t) {
+        TORCH_CHECK(before[b] + t < HL, "accept_greedy: row ", b, " would keep past its buffer");
+        std::copy(hp + (b * T + t) * d, hp + (b * T + t + 1) * d, sp + (b * HL + before[b] + t) * d);
+      }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    if (k > 0) {
+      if (live[b]) dr[b] += dn_done[b] ? std::min(valid[b], em[b]) : valid[b];
+      const int64_t accepted = std::min(na[b], em[b]);
+      if (live[b]) at_[b] += accepted;
+      an[b] = live[b] ? accepted : -1;
+    } else {
+      an[b] = dn_done[b] ? -1 : 0;
+    }
+  }
+  if (!draft_commit) return;
+  TORCH_CHECK(dtokens && dn && dcached && draft_on && raw && t2d && t2d_len, "accept_greedy: the draft's state");
+  for (const at::Tensor* t : {&*dtokens, &*dn, &*dcached, &*raw, &*t2d, &*t2d_len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "accept_greedy: contiguous int64 draft state");
+  const int64_t DL = dtokens->size(1), RK = raw->size(1), W = t2d->size(1), V = t2d->size(0);
+  int64_t *dt = dtokens->data_ptr<int64_t>(), *dnp = dn->data_ptr<int64_t>(), *dc = dcached->data_ptr<int64_t>();
+  const int64_t *rw = raw->data_ptr<int64_t>(), *sp = t2d->data_ptr<int64_t>(), *sl = t2d_len->data_ptr<int64_t>();
+  const bool* on = draft_on->data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t d0 = dnp[b];
+    if (k > 0) {
+      TORCH_CHECK(d0 >= 0 && d0 + k <= DL, "accept_greedy: draft row ", b, " would write past its buffer");
+      for (int64_t j = 0; j < k; ++j) dt[b * DL + d0 + j] = rw[b * RK + j];
+      dc[b] = std::min(dc[b], d0 + na[b]);
+    }
+    const int64_t last = tk[b * L + nt[b] - 1], base = d0 + na[b];
+    TORCH_CHECK(last >= 0 && last < V && base >= 0 && base + W <= DL, "accept_greedy: draft row ", b,
+                " would write past its buffer");
+    for (int64_t w = 0; w < W; ++w) dt[b * DL + base + w] = sp[last * W + w];
+    if (!(dn_done[b] || !on[b])) dnp[b] = base + sl[last];
+  }
+}
+
+// Runner.verify_step for plain greedy rows, eager (every row plain greedy, no log-probabilities
 // kept): each of the first B slots' pending token and its k proposals (-1 read as 0) at positions
 // n - 1.. (n = n_tokens), decoder_step over them, the target's exact screened argmax (suppress
-// banned) for every position, then the bookkeeping in place as the Python form does it:
-// target_passes += 1; the accepted prefix n_acc (proposals equal to the choices); commit_tokens
-// of n_acc + 1 choices; drafted, accepted_total, accepted_now; and with `draft_commit` the draft's
-// state (DraftSide.commit: the raw proposals and then the last token's spelling t2d written at
-// dn.., dcached = min(dcached, dn + n_acc), dn past the spelling where the row goes on drafting).
-// One call for the Python form's ~45 small torch calls (≈ 0.3 ms an iteration on cold caches).
+// banned) at every position, then accept_greedy. One call for the Python form's ~45 small torch
+// calls (≈ 0.47 ms an iteration at k = 3 on cold caches).
 void verify_greedy(const at::Tensor& token_embedding, const at::Tensor& position_embedding, at::TensorList params,
                    const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
                    const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
@@ -2791,16 +2883,14 @@ void verify_greedy(const at::Tensor& token_embedding, const at::Tensor& position
                    const c10::optional<at::Tensor>& dcached, const c10::optional<at::Tensor>& draft_on,
                    const c10::optional<at::Tensor>& raw, const c10::optional<at::Tensor>& t2d,
                    const c10::optional<at::Tensor>& t2d_len) {
-  for (const at::Tensor* t : {&tokens, &n_tokens, &budget, &target_passes, &drafted, &accepted_total, &accepted_now})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "verify_greedy: contiguous int64 CPU state tensors");
-  TORCH_CHECK(done.scalar_type() == at::kBool && done.is_contiguous(), "verify_greedy: bool done");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.is_contiguous() &&
+              n_tokens.scalar_type() == at::kLong && n_tokens.is_contiguous(), "verify_greedy: int64 tokens [S, L]");
   TORCH_CHECK(k == 0 || (proposals && proposals->scalar_type() == at::kLong && proposals->is_contiguous() &&
-                         proposals->dim() == 2), "verify_greedy: k > 0 needs int64 proposals [S, K]");
-  TORCH_CHECK(tokens.dim() == 2, "verify_greedy: tokens [S, L]");
+                         proposals->dim() == 2 && proposals->size(1) >= k),
+              "verify_greedy: k > 0 needs int64 proposals [S, K]");
   const int64_t S = n_tokens.size(0), L = tokens.size(1), K = k > 0 ? proposals->size(1) : 0, T = k + 1;
-  TORCH_CHECK(B >= 1 && B <= S && k >= 0 && (k == 0 || k <= K), "verify_greedy: B ", B, ", k ", k, " for ", S, " slots");
-  int64_t *tk = tokens.data_ptr<int64_t>(), *nt = n_tokens.data_ptr<int64_t>();
+  TORCH_CHECK(B >= 1 && B <= S && k >= 0, "verify_greedy: B ", B, ", k ", k, " for ", S, " slots");
+  const int64_t *tk = tokens.data_ptr<int64_t>(), *nt = n_tokens.data_ptr<int64_t>();
   const int64_t* pr = k > 0 ? proposals->data_ptr<int64_t>() : nullptr;
   at::Tensor feed = at::empty({B, T}, tokens.options()), pos = at::empty({B, T}, tokens.options());
   int64_t *fp = feed.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
@@ -2814,53 +2904,9 @@ void verify_greedy(const at::Tensor& token_embedding, const at::Tensor& position
                                          cross_v, kv_len, n_heads, eps, final_weight, final_bias, 0);
   const at::Tensor choice = screened_argmax(hidden.reshape({B * T, hidden.size(2)}), packed, scale, bound, weight, tiny,
                                             suppress).view({B, T});
-  const int64_t* ch = choice.data_ptr<int64_t>();
-  int64_t *tp = target_passes.data_ptr<int64_t>(), *dr = drafted.data_ptr<int64_t>(),
-          *at_ = accepted_total.data_ptr<int64_t>(), *an = accepted_now.data_ptr<int64_t>();
-  bool* dn_done = done.data_ptr<bool>();
-  at::Tensor n_acc = at::zeros({B}, tokens.options()), valid = at::zeros({B}, tokens.options());
-  int64_t *na = n_acc.data_ptr<int64_t>(), *va = valid.data_ptr<int64_t>();
-  std::vector<char> live(B);
-  for (int64_t b = 0; b < B; ++b) {
-    tp[b] += 1;
-    while (na[b] < k && pr[b * K + na[b]] == ch[b * T + na[b]]) ++na[b];
-    for (int64_t j = 0; j < k; ++j) va[b] += pr[b * K + j] >= 0;
-    live[b] = !dn_done[b];
-  }
-  const at::Tensor emitted = commit_tokens(tokens, n_tokens, done, budget, at::arange(B, tokens.options()), choice,
-                                           n_acc + 1, eot);
-  const int64_t* em = emitted.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    if (k > 0) {
-      if (live[b]) dr[b] += dn_done[b] ? std::min(va[b], em[b]) : va[b];
-      const int64_t accepted = std::min(na[b], em[b]);
-      if (live[b]) at_[b] += accepted;
-      an[b] = live[b] ? accepted : -1;
-    } else {
-      an[b] = dn_done[b] ? -1 : 0;
-    }
-  }
-  if (!draft_commit) return;
-  TORCH_CHECK(dtokens && dn && dcached && draft_on && raw && t2d && t2d_len, "verify_greedy: the draft's state");
-  for (const at::Tensor* t : {&*dtokens, &*dn, &*dcached, &*raw, &*t2d, &*t2d_len})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "verify_greedy: contiguous int64 draft state");
-  const int64_t DL = dtokens->size(1), RK = raw->size(1), W = t2d->size(1), V = t2d->size(0);
-  int64_t *dt = dtokens->data_ptr<int64_t>(), *dnp = dn->data_ptr<int64_t>(), *dc = dcached->data_ptr<int64_t>();
-  const int64_t *rw = raw->data_ptr<int64_t>(), *sp = t2d->data_ptr<int64_t>(), *sl = t2d_len->data_ptr<int64_t>();
-  const bool* on = draft_on->data_ptr<bool>();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t d0 = dnp[b];
-    if (k > 0) {
-      TORCH_CHECK(d0 >= 0 && d0 + k <= DL, "verify_greedy: draft row ", b, " would write past its buffer");
-      for (int64_t j = 0; j < k; ++j) dt[b * DL + d0 + j] = rw[b * RK + j];
-      dc[b] = std::min(dc[b], d0 + na[b]);
-    }
-    const int64_t last = tk[b * L + nt[b] - 1], base = d0 + na[b];
-    TORCH_CHECK(last >= 0 && last < V && base >= 0 && base + W <= DL, "verify_greedy: draft row ", b,
-                " would write past its buffer");
-    for (int64_t w = 0; w < W; ++w) dt[b * DL + base + w] = sp[last * W + w];
-    if (!(dn_done[b] || !on[b])) dnp[b] = base + sl[last];
-  }
+  accept_greedy(choice, c10::nullopt, tokens, n_tokens, done, budget, proposals, target_passes, drafted,
+                accepted_total, accepted_now, c10::nullopt, eot, k, draft_commit, dtokens, dn, dcached, draft_on, raw,
+                t2d, t2d_len);
 }
 
 // ------------------------------------------------------------------ the screened head's int8 copy
@@ -3053,6 +3099,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k) -> Tensor");
   m.def("draft_propose(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor dtokens, Tensor dn, Tensor(c!) dcached, Tensor draft_on, Tensor row_k, Tensor d2t, Tensor(d!) raw, Tensor(e!) proposals, Tensor(f!) draft_passes, int B, int k, int width, int max_pos) -> ()");
   m.def("verify_greedy(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor suppress, Tensor(c!) tokens, Tensor(d!) n_tokens, Tensor(e!) done, Tensor budget, Tensor? proposals, Tensor(f!) target_passes, Tensor(g!) drafted, Tensor(h!) accepted_total, Tensor(i!) accepted_now, int eot, int B, int k, bool draft_commit, Tensor(j!)? dtokens, Tensor(k!)? dn, Tensor(l!)? dcached, Tensor? draft_on, Tensor? raw, Tensor? t2d, Tensor? t2d_len) -> ()");
+  m.def("accept_greedy(Tensor choice, Tensor? hidden, Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor? proposals, Tensor(d!) target_passes, Tensor(e!) drafted, Tensor(f!) accepted_total, Tensor(g!) accepted_now, Tensor(h!)? hidden_state, int eot, int k, bool draft_commit, Tensor(i!)? dtokens, Tensor(j!)? dn, Tensor(k!)? dcached, Tensor? draft_on, Tensor? raw, Tensor? t2d, Tensor? t2d_len) -> ()");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("gelu(Tensor x) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype) -> Tensor");
@@ -3088,6 +3135,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
   m.impl("draft_greedy", &draft_greedy);
   m.impl("draft_propose", &draft_propose);
   m.impl("verify_greedy", &verify_greedy);
+  m.impl("accept_greedy", &accept_greedy);
   m.impl("layer_norm", &step_layer_norm);
   m.impl("gelu", &step_gelu);
   m.impl("encoder_attention", &encoder_attention);

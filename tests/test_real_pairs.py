@@ -221,51 +221,64 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
 
 @pytest.mark.parametrize("target,draft", [("base", None), ("base", "base-2l"), ("base", "tiny.en"), ("tiny.en", "base")])
 def test_fused_greedy_verify_passes_keep_what_the_python_form_keeps(target, draft, engines, mels, monkeypatch):
-    """`cpu_ops.verify_greedy` (the pass, the exact screened argmax, the accepted prefix committed
-    and counted, the draft's state kept in step, in one C++ call) against `Runner.verify_step`'s
-    Python form: after every pass the same tokens, counts and draft state, single and batched,
-    plain steps and k = 1, 3 (tiny.en drafted by base: spellings of several draft tokens)."""
+    """`cpu_ops.verify_greedy` (plain greedy rows: the pass, the exact screened argmax and the
+    bookkeeping in one C++ call) and `cpu_ops.accept_greedy` (rows under the timestamp rules, whose
+    log-probabilities are wanted: the bookkeeping after their choice, the outputs kept) against
+    `Runner.verify_step`'s Python form: after every pass the same tokens, counts, kept outputs and
+    draft state, single and batched, plain steps and k = 1, 3 (tiny.en drafted by base: spellings
+    of several draft tokens), and the same segments and log-probabilities."""
     from specwhisper.backends import cpu_ops
     from specwhisper.engine.runner import Runner
 
     engine = engines(target, draft, torch.float32)
     runner = engine.runner
-    seen, calls = {True: [], False: []}, {True: 0, False: 0}
-    verify, fused_op = Runner.verify_step, cpu_ops.verify_greedy
+    seen = {True: [], False: []}
+    calls = {(op, fused): 0 for op in ("verify_greedy", "accept_greedy") for fused in (True, False)}
+    verify = Runner.verify_step
 
-    def recorded(self, B, *args, **kwargs):
-        out = verify(self, B, *args, **kwargs)
+    def recorded(self, B, k, modes, *args, **kwargs):
+        out = verify(self, B, k, modes, *args, **kwargs)
         st = self.state
-        n = st.n_tokens[:B].tolist()
+        n, P = st.n_tokens[:B].tolist(), st.prompt_len[:B].tolist()
         row = [st.tokens[b, :n[b]].clone() for b in range(B)]
         row += [t[:B].clone() for t in (st.n_tokens, st.done, st.target_passes, st.drafted, st.accepted_total,
                                          st.accepted_now)]
+        if modes.keep_hidden:
+            row += [st.hidden[b, P[b]:n[b]].clone() for b in range(B)]
         if self.draft_side is not None:
             dn = st.dn[:B].tolist()
             row += [st.dtokens[b, :dn[b]].clone() for b in range(B)] + [st.dn[:B].clone(), st.dcached[:B].clone()]
         seen[self.fused_greedy].append(row)
         return out
 
-    def counted(*args, **kwargs):
-        calls[runner.fused_greedy] += 1
-        return fused_op(*args, **kwargs)
+    def counted(name):
+        op = getattr(cpu_ops, name)
+
+        def run(*args, **kwargs):
+            calls[name, runner.fused_greedy] += 1
+            return op(*args, **kwargs)
+        return run
 
     monkeypatch.setattr(Runner, "verify_step", recorded)
-    monkeypatch.setattr(cpu_ops, "verify_greedy", counted)
+    for name in ("verify_greedy", "accept_greedy"):
+        monkeypatch.setattr(cpu_ops, name, counted(name))
     results = {}
     for fused in (True, False):
         monkeypatch.setattr(runner, "fused_greedy", fused)
         results[fused] = []
         for k in ((None,) if draft is None else (1, 3)):
             for x in (mels[0], mels):
-                out = engine.transcribe(x, language="en", num_draft_tokens=k, max_new_tokens=20)
-                out = out if isinstance(out, list) else [out]
-                results[fused].append([(r.tokens, r.stats.accepted, r.stats.drafted, r.stats.target_passes)
-                                       for r in out])
+                for opts in (dict(max_new_tokens=20), dict(max_new_tokens=40, timestamps=True, temperature=0.0)):
+                    out = engine.transcribe(x, language="en", num_draft_tokens=k, **opts)
+                    out = out if isinstance(out, list) else [out]
+                    results[fused].append([(r.tokens, r.stats.accepted, r.stats.drafted, r.stats.target_passes,
+                                            [(s.tokens, s.avg_logprob) for s in r.segments]) for r in out])
     if not cpu_ops.available():
-        assert calls[True] == 0
+        assert sum(calls.values()) == 0
         return
-    assert calls[True] == len(seen[True]) > 10 and calls[False] == 0
+    assert calls["verify_greedy", True] > 10 and calls["accept_greedy", True] > 10
+    assert calls["verify_greedy", True] + calls["accept_greedy", True] == len(seen[True])
+    assert calls["verify_greedy", False] == calls["accept_greedy", False] == 0
     assert len(seen[True]) == len(seen[False])
     bad = [(i, j) for i, (a, b) in enumerate(zip(seen[True], seen[False]))
            for j, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]

@@ -269,19 +269,36 @@ def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int,
 def verify_greedy(decoder, head, suppress, cache, kv_len: int, state, B: int, k: int, eot: int, draft_side=None):
     """`engine.runner.Runner.verify_step` for plain greedy rows (eager, no log-probabilities kept)
     in one C++ call: the pass over each row's pending token and its k proposals, the exact
-    screened argmax (`head`, a `ScreenedHead`), the accepted prefix committed and counted, and with
-    `draft_side` its `commit` (the draft's state kept in step); `state` updated in place."""
+    screened argmax (`head`, a `ScreenedHead`), then `accept_greedy`'s bookkeeping."""
     from ..model.head import TINY  # (head.py imports this module)
 
     first = decoder.layers[0]
-    side = (None,) * 7 if draft_side is None else (state.dtokens, state.dn, state.dcached, state.draft_on,
-                                                   state.raw, draft_side.t2d, draft_side.t2d_len)
     _ops().verify_greedy(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(),
                          cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
                          decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
                          head.scale, head.bound, head.weight, TINY, suppress, state.tokens, state.n_tokens,
                          state.done, state.budget, state.proposals, state.target_passes, state.drafted,
-                         state.accepted_total, state.accepted_now, eot, B, k, draft_side is not None, *side)
+                         state.accepted_total, state.accepted_now, eot, B, k, *_draft_commit(state, draft_side))
+
+
+def accept_greedy(state, choice, hidden, k: int, eot: int, draft_side=None):
+    """The bookkeeping of a greedy verify pass in one C++ call (`Runner.verify_step` after its
+    choice, for rows that chose without full logits): choices [B, k + 1] checked against the
+    proposals, the accepted prefix committed and counted, `hidden` [B, k + 1, d] (None: no row
+    wants its log-probabilities) kept for the appended tokens, and with `draft_side` its
+    `commit`; `state` updated in place."""
+    _ops().accept_greedy(choice, None if hidden is None else hidden.float(), state.tokens, state.n_tokens, state.done,
+                         state.budget, state.proposals, state.target_passes, state.drafted, state.accepted_total,
+                         state.accepted_now, None if hidden is None else state.hidden, eot, k,
+                         *_draft_commit(state, draft_side))
+
+
+def _draft_commit(state, draft_side) -> tuple:
+    """(draft_commit, the draft's state tensors) as `accept_greedy`'s C++ form takes them."""
+    if draft_side is None:
+        return (False,) + (None,) * 7
+    return (True, state.dtokens, state.dn, state.dcached, state.draft_on, state.raw, draft_side.t2d,
+            draft_side.t2d_len)
 
 
 def rule_mask(at_begin, timestamps, n_sampled, last, penultimate, last_timestamp, max_initial, suppress,

@@ -359,6 +359,13 @@ class Runner:
         pos = last if k == 0 else last + self.slot_ids[:k + 1]
         hidden = dec.hidden(feed, pos, cache, kv_len=kv_len)
         choice, logits = self.choose(hidden, slots, last[:, 0], modes, proposals)  # [B, k+1]
+        if logits is None and self.trim and self.fused_greedy and cpu_ops.active(choice):
+            # greedy rows (the timestamp rules' too): the rest below in one C++ call, the same state
+            side = self.draft_side
+            commit = side is not None and (k > 0 or self.drafts_running(B))
+            cpu_ops.accept_greedy(self.state, choice, hidden if modes.keep_hidden else None, k, self.eot,
+                                  side if commit else None)
+            return self.state.n_tokens[:B]
         self.state.target_passes[:B] += 1
         if k == 0:
             n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -390,7 +397,9 @@ class Runner:
             self.draft_side.commit(B, k, n_acc)
         return self.state.n_tokens[:B]
 
-    fused_greedy = True  # False: plain greedy passes take `verify_step`'s Python form (`greedy_fused`'s spec)
+    # False: greedy passes take `verify_step`'s Python form (the spec of `greedy_fused` and of
+    # `cpu_ops.accept_greedy`)
+    fused_greedy = True
 
     def greedy_fused(self, modes: Modes) -> bool:
         """A pass of plain greedy rows only (no log-probabilities kept) runs as one C++ call
