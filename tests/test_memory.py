@@ -116,8 +116,12 @@ def faults_per_tensor(env: dict) -> tuple[bool, float]:
 def test_freed_memory_is_kept_so_fresh_tensors_fault_no_pages():
     """With `keep_freed_memory` a fresh 12 MB tensor reuses heap already faulted in; without it
     (torch's huge-page allocation on, as `import specwhisper` sets it) each one faulted ~520 pages
-    here. SPECWHISPER_MALLOC_TUNING=0 leaves malloc alone."""
+    here (a tensor in fresh 4 KB pages: 3072). SPECWHISPER_MALLOC_TUNING=0 leaves malloc alone.
+    A few faults a tensor remain in a busy process (11 in a whole test run: other threads' stacks
+    and buffers), far from a fresh tensor's."""
     applied, kept = faults_per_tensor({})
-    assert applied and kept < 8, kept
-    applied, default = faults_per_tensor({"SPECWHISPER_MALLOC_TUNING": "0"})
-    assert not applied and default >= kept
+    left_alone, default = faults_per_tensor({"SPECWHISPER_MALLOC_TUNING": "0"})
+    assert applied and not left_alone
+    assert kept < 50, kept
+    if default >= 100:  # where glibc's own thresholds fault fresh pages (they may not, without huge pages)
+        assert kept * 10 < default, (kept, default)
