@@ -425,6 +425,27 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 pair8(co
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
+// One input row's 4 outputs of a tile (out[j * os]) from its two pair accumulators (lanes 0-7 and
+// 8-15: weight rows 0 and 1, then 2 and 3): each half summed by hsum8, then the scalar tail of the
+// features from k on (rows at w + j * ws), as the AVX2 lanes are.
+template <typename W>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline void pair_outputs(__m512 a0, __m512 a1, const W* w,
+                                                                                  int64_t ws, const float* x, int64_t k,
+                                                                                  int64_t K, float* out, int64_t os) {
+  __m256 halves[kNR];
+  for (int j = 0; j < kNR; ++j) {
+    const __m512 a = j < 2 ? a0 : a1;
+    halves[j] = j % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)) : _mm512_castps512_ps256(a);
+  }
+  float sums[kNR];
+  hsum8_many<kNR>(halves, sums);
+  for (int j = 0; j < kNR; ++j) {
+    float s = sums[j];
+    for (int64_t t = k; t < K; ++t) s = std::fma(widen(w[j * ws + t]), x[t], s);
+    out[j * os] = s;
+  }
+}
+
 template <typename W, int MR, bool PF>
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const float* x, int64_t ldx, const W* w, int64_t K,
                                                                       int64_t ws, int64_t next, float* out, int64_t ldo,
@@ -443,20 +464,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const flo
       acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    __m256 halves[kNR];
-    for (int j = 0; j < kNR; ++j) {
-      const __m512 a = acc[i][j / 2];
-      halves[j] = j % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)) : _mm512_castps512_ps256(a);
-    }
-    float sums[kNR];
-    hsum8_many<kNR>(halves, sums);
-    for (int j = 0; j < kNR; ++j) {
-      float s = sums[j];
-      for (int64_t t = k; t < K; ++t) s = std::fma(widen(w[j * ws + t]), x[i * ldx + t], s);
-      out[i * ldo + j * os] = s;
-    }
-  }
+  for (int i = 0; i < MR; ++i) pair_outputs(acc[i][0], acc[i][1], w, ws, x + i * ldx, k, K, out + i * ldo, os);
 }
 
 // Two adjacent tiles (weight rows t and t + 1 of each of the 4 streams) against MR input rows:
@@ -481,21 +489,8 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const f
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int half = 0; half < 2; ++half) {
-      const W* wt = half ? v : w;
-      __m256 halves[kNR];
-      for (int j = 0; j < kNR; ++j) {
-        const __m512 a = acc[i][2 * half + j / 2];
-        halves[j] = j % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)) : _mm512_castps512_ps256(a);
-      }
-      float sums[kNR];
-      hsum8_many<kNR>(halves, sums);
-      for (int j = 0; j < kNR; ++j) {
-        float s = sums[j];
-        for (int64_t t = k; t < K; ++t) s = std::fma(widen(wt[j * ws + t]), x[i * ldx + t], s);
-        out[i * ldo + j * os + half] = s;
-      }
-    }
+    pair_outputs(acc[i][0], acc[i][1], w, ws, x + i * ldx, k, K, out + i * ldo, os);
+    pair_outputs(acc[i][2], acc[i][3], v, ws, x + i * ldx, k, K, out + i * ldo + 1, os);
   }
 }
 
