@@ -259,11 +259,11 @@ def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int,
     dcached, proposals) updated in place as `propose` does."""
     first = decoder.layers[0]
     _ops().draft_propose(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(),
-                                cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len,
-                                first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
-                                decoder.layer_norm.bias, head.packed, head.scale, head.weight, head.candidates,
-                                banned, head.BITS, state.dtokens, state.dn, state.dcached, state.draft_on,
-                                state.row_k, d2t, state.raw, state.proposals, state.draft_passes, B, k, width, max_pos)
+                         cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
+                         decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
+                         head.scale, head.weight, head.candidates, banned, head.BITS, state.dtokens, state.dn,
+                         state.dcached, state.draft_on, state.row_k, d2t, state.raw, state.proposals,
+                         state.draft_passes, B, k, width, max_pos)
 
 
 def verify_greedy(decoder, head, suppress, cache, kv_len: int, state, B: int, k: int, eot: int, draft_side=None):
