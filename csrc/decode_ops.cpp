@@ -2712,15 +2712,15 @@ at::Tensor draft_greedy(const at::Tensor& tokens, const at::Tensor& input_pos, c
 // NO_PROPOSAL (-1) after it. Long [S] / [S, L] state tensors, bool draft_on. One call for the
 // ~37 small torch calls of the Python form (≈ 0.35 ms an iteration on cold caches).
 void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position_embedding, at::TensorList params,
-                         const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
-                         const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
-                         const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed,
-                         const at::Tensor& scale, const at::Tensor& weight, int64_t candidates,
-                         const c10::optional<at::Tensor>& banned, int64_t bits, const at::Tensor& dtokens,
-                         const at::Tensor& dn, const at::Tensor& dcached, const at::Tensor& draft_on,
-                         const at::Tensor& row_k, const at::Tensor& d2t, const at::Tensor& raw,
-                         const at::Tensor& proposals, const at::Tensor& draft_passes, int64_t B, int64_t k,
-                         int64_t width, int64_t max_pos) {
+                   const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
+                   const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
+                   const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed,
+                   const at::Tensor& scale, const at::Tensor& weight, int64_t candidates,
+                   const c10::optional<at::Tensor>& banned, int64_t bits, const at::Tensor& dtokens,
+                   const at::Tensor& dn, const at::Tensor& dcached, const at::Tensor& draft_on,
+                   const at::Tensor& row_k, const at::Tensor& d2t, const at::Tensor& raw,
+                   const at::Tensor& proposals, const at::Tensor& draft_passes, int64_t B, int64_t k,
+                   int64_t width, int64_t max_pos) {
   for (const at::Tensor* t : {&dtokens, &dn, &dcached, &row_k, &d2t, &raw, &proposals, &draft_passes})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "draft_propose: contiguous int64 CPU state tensors");
@@ -2763,6 +2763,16 @@ void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position
   }
 }
 
+// The proposals' rows [S, K] (int64, contiguous) a greedy verify pass with k proposals reads
+// (nullptr for k = 0, where there are none), checked.
+inline const int64_t* proposal_rows(const c10::optional<at::Tensor>& proposals, int64_t k, const char* name) {
+  if (k == 0) return nullptr;
+  TORCH_CHECK(proposals && proposals->scalar_type() == at::kLong && proposals->is_contiguous() &&
+                  proposals->dim() == 2 && proposals->size(1) >= k,
+              name, ": k > 0 needs int64 proposals [S, K]");
+  return proposals->data_ptr<int64_t>();
+}
+
 // The bookkeeping of a greedy verify pass (spec: engine/runner.py `verify_step` after its choice,
 // the `commit_target` it calls and DraftSide.commit), for the first B slots in place, given the
 // choices [B, k + 1] of the pass over each row's pending token and its k proposals: target_passes
@@ -2787,13 +2797,10 @@ void accept_greedy(const at::Tensor& choice, const c10::optional<at::Tensor>& hi
                 "accept_greedy: contiguous int64 CPU state tensors");
   TORCH_CHECK(done.scalar_type() == at::kBool && done.is_contiguous(), "accept_greedy: bool done");
   TORCH_CHECK(tokens.dim() == 2 && choice.dim() == 2 && choice.size(1) == k + 1, "accept_greedy: choice [B, k + 1]");
-  TORCH_CHECK(k == 0 || (proposals && proposals->scalar_type() == at::kLong && proposals->is_contiguous() &&
-                         proposals->dim() == 2 && proposals->size(1) >= k),
-              "accept_greedy: k > 0 needs int64 proposals [S, K]");
+  const int64_t* pr = proposal_rows(proposals, k, "accept_greedy");
   const int64_t B = choice.size(0), T = k + 1, S = n_tokens.size(0), L = tokens.size(1);
   const int64_t K = k > 0 ? proposals->size(1) : 0;
   TORCH_CHECK(B >= 1 && B <= S, "accept_greedy: ", B, " rows for ", S, " slots");
-  const int64_t* pr = k > 0 ? proposals->data_ptr<int64_t>() : nullptr;
   const int64_t *ch = choice.data_ptr<int64_t>(), *tk = tokens.data_ptr<int64_t>(), *nt = n_tokens.data_ptr<int64_t>();
   int64_t *tp = target_passes.data_ptr<int64_t>(), *dr = drafted.data_ptr<int64_t>(),
           *at_ = accepted_total.data_ptr<int64_t>(), *an = accepted_now.data_ptr<int64_t>();
@@ -2880,13 +2887,11 @@ void verify_greedy(const at::Tensor& token_embedding, const at::Tensor& position
                    const c10::optional<at::Tensor>& t2d_len) {
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.is_contiguous() &&
               n_tokens.scalar_type() == at::kLong && n_tokens.is_contiguous(), "verify_greedy: int64 tokens [S, L]");
-  TORCH_CHECK(k == 0 || (proposals && proposals->scalar_type() == at::kLong && proposals->is_contiguous() &&
-                         proposals->dim() == 2 && proposals->size(1) >= k),
-              "verify_greedy: k > 0 needs int64 proposals [S, K]");
+  TORCH_CHECK(k >= 0, "verify_greedy: k ", k, " < 0");
+  const int64_t* pr = proposal_rows(proposals, k, "verify_greedy");
   const int64_t S = n_tokens.size(0), L = tokens.size(1), K = k > 0 ? proposals->size(1) : 0, T = k + 1;
-  TORCH_CHECK(B >= 1 && B <= S && k >= 0, "verify_greedy: B ", B, ", k ", k, " for ", S, " slots");
+  TORCH_CHECK(B >= 1 && B <= S, "verify_greedy: B ", B, " for ", S, " slots");
   const int64_t *tk = tokens.data_ptr<int64_t>(), *nt = n_tokens.data_ptr<int64_t>();
-  const int64_t* pr = k > 0 ? proposals->data_ptr<int64_t>() : nullptr;
   at::Tensor feed = at::empty({B, T}, tokens.options()), pos = at::empty({B, T}, tokens.options());
   int64_t *fp = feed.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {

@@ -219,6 +219,13 @@ class Runner:
         rows = [h.n - len(h.spec.prompt) for h in self.hosts[:B] if h.draft_pending is not None]
         return sum(rows) / len(rows) if rows else None
 
+    def draft_in_step(self, B: int, k: int) -> bool:
+        """Whether a pass over the first B slots with k proposals commits to the draft's state too
+        (`DraftSide.commit`): a plain pass keeps running drafts in step; while no row's draft has
+        started (the adaptive k keeps speculation off), there is nothing to keep: a dozen small ops
+        a token saved (≈ 0.1 ms, ≈ 2% of base's step; a captured step keeps them all)."""
+        return self.draft_side is not None and (k > 0 or self.graphs is not None or self.drafts_running(B))
+
     def drafts_running(self, B: int) -> bool:
         """Whether a live row among the first B has started its draft (the host's copy)."""
         return any(h.spec is not None and h.spec.use_draft and h.draft_pending is None for h in self.hosts[:B])
@@ -346,10 +353,8 @@ class Runner:
         cache = DecoderCache(*(t[:, :B] for t in self.cache.buffers()))
         if self.trim and shared is None and self.greedy_fused(modes):
             # all of the below for plain greedy rows in one C++ call: the same tokens and state
-            side = self.draft_side
-            commit = side is not None and (k > 0 or self.drafts_running(B))
             cpu_ops.verify_greedy(dec, self.target.head, self.suppress, cache, dec.slots(kv_len), self.state, B, k,
-                                  self.eot, side if commit else None)
+                                  self.eot, self.draft_side if self.draft_in_step(B, k) else None)
             return self.state.n_tokens[:B]
         proposals = self.state.proposals[:B, :k] if k > 0 else None
         slots = self.slot_ids[:B]
@@ -361,10 +366,8 @@ class Runner:
         choice, logits = self.choose(hidden, slots, last[:, 0], modes, proposals)  # [B, k+1]
         if logits is None and self.trim and self.fused_greedy and cpu_ops.active(choice):
             # greedy rows (the timestamp rules' too): the rest below in one C++ call, the same state
-            side = self.draft_side
-            commit = side is not None and (k > 0 or self.drafts_running(B))
             cpu_ops.accept_greedy(self.state, choice, hidden if modes.keep_hidden else None, k, self.eot,
-                                  side if commit else None)
+                                  self.draft_side if self.draft_in_step(B, k) else None)
             return self.state.n_tokens[:B]
         self.state.target_passes[:B] += 1
         if k == 0:
@@ -390,10 +393,7 @@ class Runner:
             self.state.accepted_now[:B] = torch.where(live, accepted, -1)
         else:
             self.state.accepted_now[:B] = torch.where(~self.state.done[:B], 0, -1)
-        if self.draft_side is not None and (k > 0 or self.graphs is not None or self.drafts_running(B)):
-            # a plain pass keeps running drafts in step; while no row's draft has started (the
-            # adaptive k keeps speculation off), there is nothing to keep: a dozen small ops a
-            # token saved (≈ 0.1 ms, ≈ 2% of base's step; a captured step keeps them all)
+        if self.draft_in_step(B, k):
             self.draft_side.commit(B, k, n_acc)
         return self.state.n_tokens[:B]
 
