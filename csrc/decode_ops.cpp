@@ -2705,7 +2705,8 @@ at::Tensor draft_greedy(const at::Tensor& tokens, const at::Tensor& input_pos, c
 
 // DraftSide.propose for greedy rows, eager (spec: engine/drafting.py, its loop and bookkeeping):
 // each of the first B slots feeds its `width` uncached draft tokens (right-aligned; shorter rows
-// repeat their first uncached position, `uncached_positions`), draft_greedy proposes k tokens, and
+// repeat their first uncached position, `uncached_positions`; width 0: the widest row's count,
+// `uncached_width`), draft_greedy proposes k tokens, and
 // the slot state is updated in place as `propose` does it: draft_passes += k for rows whose draft
 // runs, raw[:, :k] = the draft ids, dcached = dn + k - 1, proposals[:, :k] = the target ids of the
 // usable prefix (mapped by d2t, the row's draft on, dn + k <= max_pos, within the row's own k),
@@ -2727,12 +2728,16 @@ void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position
   TORCH_CHECK(draft_on.scalar_type() == at::kBool && draft_on.is_contiguous(), "draft_propose: bool draft_on");
   TORCH_CHECK(dtokens.dim() == 2 && raw.dim() == 2 && proposals.dim() == 2, "draft_propose: [S, L] / [S, K] tables");
   const int64_t S = dn.size(0), L = dtokens.size(1), K = raw.size(1), V = d2t.size(0);
-  TORCH_CHECK(B >= 1 && B <= S && width >= 1 && k >= 1 && k <= K && proposals.size(1) >= k,
+  TORCH_CHECK(B >= 1 && B <= S && width >= 0 && k >= 1 && k <= K && proposals.size(1) >= k,
               "draft_propose: B ", B, ", width ", width, ", k ", k, " for ", S, " slots of ", K, " proposals");
   const int64_t *dt = dtokens.data_ptr<int64_t>(), *dnp = dn.data_ptr<int64_t>(), *rk = row_k.data_ptr<int64_t>(),
                 *map = d2t.data_ptr<int64_t>();
   int64_t *dc = dcached.data_ptr<int64_t>(), *rw = raw.data_ptr<int64_t>(), *pr = proposals.data_ptr<int64_t>(),
           *dp = draft_passes.data_ptr<int64_t>();
+  if (width == 0) {  // the widest row's uncached positions (`DraftSide.uncached_width`), at least 1
+    width = 1;
+    for (int64_t b = 0; b < B; ++b) width = std::max(width, dnp[b] - std::max<int64_t>(0, std::min(dc[b], dnp[b] - 1)));
+  }
   const bool* on = draft_on.data_ptr<bool>();
   at::Tensor src = at::empty({B, width}, dtokens.options()), feed = at::empty({B, width}, dtokens.options());
   int64_t *sp = src.data_ptr<int64_t>(), *fp = feed.data_ptr<int64_t>();

@@ -284,3 +284,31 @@ def test_fused_greedy_verify_passes_keep_what_the_python_form_keeps(target, draf
            for j, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
     assert not bad, bad[:4]
     assert results[True] == results[False]
+
+
+def test_an_engine_reads_weights_changed_in_place_from_its_next_window(mels):
+    """An engine's iterations read the step's copies of the target's and the draft's weights as
+    its windows' starts checked them (`Decoder.layer_params(check=False)`: no version counter read
+    each iteration); a change in place reaches the next window: the copies are rebuilt, and its
+    tokens are those of an engine that had the changed weights from the start."""
+    folder, draft = real_folder("base"), real_folder("base-2l")
+    changed, fresh = (Engine(folder, draft=draft, max_batch=2, background=False) for _ in range(2))
+    opts = dict(language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
+
+    def change(engine):
+        with torch.inference_mode(False), torch.no_grad():
+            engine.target.model.decoder.layers[-1].fc2.weight.zero_()  # float16 values: a copied tensor
+            engine.drafter.draft.model.decoder.layers[0].fc1.bias.mul_(0.5)
+
+    before = changed.transcribe(mels[0], **opts).tokens
+    dec, ddec = changed.target.model.decoder, changed.drafter.draft.model.decoder
+    stale, dstale = dec.layer_params(False), ddec.layer_params(False)
+    change(changed)
+    assert dec.layer_params(False) is stale and ddec.layer_params(False) is dstale  # an iteration's read
+    after = changed.transcribe(mels[0], **opts).tokens
+    assert dec.layer_params(False) is not stale and ddec.layer_params(False) is not dstale
+    per = len(stale) // len(dec.layers)
+    assert not dec.layer_params(False)[per * (len(dec.layers) - 1) + 16].any()  # fc2's copy: zeros now
+    change(fresh)
+    assert after == fresh.transcribe(mels[0], **opts).tokens
+    assert after != before  # the change matters to the tokens

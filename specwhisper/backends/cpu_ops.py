@@ -255,10 +255,12 @@ def draft_greedy(decoder, tokens, input_pos, cache, kv_len: int, head, banned, n
 
 def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int, k: int, width: int, max_pos: int):
     """`engine.drafting.DraftSide.propose` for greedy rows (eager) in one C++ call: the uncached
-    tokens fed, `draft_greedy`'s k proposals, and the slot state (`state`: draft_passes, raw,
-    dcached, proposals) updated in place as `propose` does."""
+    tokens fed (`width` positions; 0: the widest row's uncached ones, `DraftSide.uncached_width`),
+    `draft_greedy`'s k proposals, and the slot state (`state`: draft_passes, raw, dcached,
+    proposals) updated in place as `propose` does (an engine's iteration: the weights as
+    its windows' starts checked them, `Decoder.layer_params`)."""
     first = decoder.layers[0]
-    _ops().draft_propose(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(),
+    _ops().draft_propose(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(False),
                          cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
                          decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
                          head.scale, head.weight, head.candidates, banned, head.BITS, state.dtokens, state.dn,
@@ -269,11 +271,12 @@ def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int,
 def verify_greedy(decoder, head, suppress, cache, kv_len: int, state, B: int, k: int, eot: int, draft_side=None):
     """`engine.runner.Runner.verify_step` for plain greedy rows (eager, no log-probabilities kept)
     in one C++ call: the pass over each row's pending token and its k proposals, the exact
-    screened argmax (`head`, a `ScreenedHead`), then `accept_greedy`'s bookkeeping."""
+    screened argmax (`head`, a `ScreenedHead`), then `accept_greedy`'s bookkeeping (an engine's
+    iteration: the weights as its windows' starts checked them, `Decoder.layer_params`)."""
     from ..model.head import TINY  # (head.py imports this module)
 
     first = decoder.layers[0]
-    _ops().verify_greedy(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(),
+    _ops().verify_greedy(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(False),
                          cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
                          decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
                          head.scale, head.bound, head.weight, TINY, suppress, state.tokens, state.n_tokens,

@@ -318,7 +318,7 @@ class Runner:
             # the widest row's uncached tokens (a host read costs nothing on a CPU): a draft with
             # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
             # drafting base), almost always 1 or 2 tokens are uncached
-            side.propose(B, k, modes, side.uncached_width(B) if self.trim else side.catchup)
+            side.propose(B, k, modes, None if self.trim else side.catchup)
             return
         R = self.pad_rows(B)
         self.graphs.run(("draft", R, k, modes), lambda: side.propose(R, k, modes, side.catchup), self.state.rewind)

@@ -436,7 +436,7 @@ class Decoder(nn.Module):
     int8 = False  # the C++ step reads int8 copies of the projections (`Whisper.int8_projections`)
     half = False  # ... float16 copies of float32 projections that are float16 values (`Whisper.half_projections`)
 
-    def layer_params(self) -> list[torch.Tensor]:
+    def layer_params(self, check: bool = True) -> list[torch.Tensor]:
         """The 18 tensors per layer `cpu_ops.decoder_layers` reads, in its order (cached; call
         `forget_layer_params` after replacing weights); an int8 decoder (`int8_projections`)
         passes its packed int8 projections and appends their 6 scales (24 per layer); a `half`
@@ -444,8 +444,14 @@ class Decoder(nn.Module):
         copies of its tensors in one allocation (`one_buffer`; the float32 weights a step reads
         itself stay where they are), rebuilt when a tensor they copy changes in place, as the step
         would see a tensor it reads itself (not for inference tensors, which keep no version
-        counter: call forget_layer_params after changing one)."""
-        copied = getattr(self, "_copied", ())
+        counter: call forget_layer_params after changing one).
+
+        `check` False skips that check (the copies as last checked): an engine's iterations, whose
+        windows checked at their start (the prompt pass), so a change in place reaches an engine
+        from its next window on. The check reads a version counter of each of base's 72 copied
+        tensors, each a cache miss right after a step has streamed the weights: ≈ 0.15 ms an
+        iteration of base drafted by base-2l (2 threads of a Zen 4 EPYC), 4% of a step."""
+        copied = getattr(self, "_copied", ()) if check else ()
         if any(version is not None and t._version != version for t, version in copied):
             self._layer_params = None
         if getattr(self, "_layer_params", None) is None:
