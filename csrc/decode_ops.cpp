@@ -296,8 +296,27 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* x, const W*
 // 5 rows 3.58 -> 2.95 ms (1 row: 2.81), 9 rows 4.32 -> 3.60; held to AVX2 4.06 -> 3.48 and
 // 5.01 -> 4.30. Prefetching 1-4 KB ahead in each stream instead of the next tile measured the same.
 // The AVX2 screen of the output head too (held to AVX2, 5 / 9 rows: 1.58 -> 1.48, 2.92 -> 2.59 ms);
-// its AVX-512 form keeps prefetcht0 (T1 there: 1 row 0.86 -> 0.92 ms).
-constexpr _mm_hint kStreamHint = _MM_HINT_T1;
+// its AVX-512 form kept prefetcht0 (T1 there: 1 row 0.86 -> 0.92 ms).
+//
+// Now non-temporal (prefetchnta), as the target's value rows and the AVX-512 screen: a step reads
+// each of the target's ≈ 110 MB once (float16 weights, float32 cross K/V, the head's int8 copy),
+// and with T0/T1 fills it pushed everything else out of L2 and L3: the draft's ≈ 17 MB read again
+// at every draft step, and the engine's own Python objects between the C++ calls. A draft's
+// bfloat16 streams (its cross keys) keep T1. Base drafted by base-2l, 3 bench windows, 2 threads of
+// a Zen 4 EPYC, the hints alternated in one process (6 rounds, twice): decode (call − encoder −
+// admissions) paired 1.033× / 1.033× at k = 3 (an iteration's draft 1.96 -> 1.87 ms and 1.98 -> 1.92,
+// its verify 4.58 -> 4.52 and 4.56 -> 4.43, the rest 0.83 -> 0.76 and 0.80 -> 0.70), target-only
+// 1.006× / 1.034× (a step 3.48 -> 3.34 and 2.47 -> 2.40 ms); held to AVX2 1.011× and 1.034× (the
+// 4-row verify pass 4.84 / 4.85: no slower). A 96 MB stream read between two reads of a 12 MB
+// buffer left it at 28 GB/s (DRAM) with plain loads, 39-43 GB/s with NTA prefetches (68 hot).
+constexpr _mm_hint kStreamHint = _MM_HINT_NTA;
+
+// kStreamHint for a stream of W: a draft's bfloat16 cross keys keep T1 (reread every draft step).
+template <typename W>
+inline void stream_prefetch(const void* p) {
+  if (std::is_same<W, bf16>::value) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(reinterpret_cast<const char*>(p), kStreamHint);
+}
 
 // out[i * ldo + j * os] (float) for rows i < MR of x and the tile's weight rows j < NR, which start
 // at w + j * ws: one pass over the weight tile per group of input rows. PF: also prefetch the next
@@ -321,7 +340,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     if (PF && (k * sizeof(W)) % 64 == 0)
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + next + j * ws + k), kStreamHint);
+      for (int j = 0; j < NR; ++j) stream_prefetch<W>(w + next + j * ws + k);
     if (row_outer) {
       __m256 wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ws + k);
@@ -457,7 +476,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const flo
   for (; k + 8 <= K; k += 8) {
     const __m512 w0 = pair8(w + k, w + ws + k), w1 = pair8(w + 2 * ws + k, w + 3 * ws + k);
     if (PF && (k * sizeof(W)) % 64 == 0)
-      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + next + j * ws + k), kStreamHint);
+      for (int j = 0; j < kNR; ++j) stream_prefetch<W>(w + next + j * ws + k);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
       acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
@@ -1012,7 +1031,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) inline __m256
             a80 = a00, a81 = a00; /* rows past MR stay zero, unused */                                           \
     for (int64_t k = 0; k < K; k += 8) {                                                                         \
       const int8_t* p = blk + k * kQB;                                                                           \
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);                          \
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), kStreamHint);                          \
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));           \
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));      \
       Q16_ROW512(0, Q16_ACC) Q16_ROW512(1, Q16_ACC) Q16_ROW512(2, Q16_ACC) Q16_ROW512(3, Q16_ACC)                \
@@ -1773,11 +1792,14 @@ constexpr int64_t kAttnPrefetch = 4096;
 constexpr int64_t kOwnValuePass = 9;  // AVX-512: more queries than this take the grouped value pass
 constexpr int64_t kValueChunk = 64;  // value rows per chunk (softmax_values_chunked_avx2)
 
-// Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead.
+// Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead: float32 rows (the target's,
+// read once a step) non-temporal (kStreamHint), a draft's bfloat16 ones to L1.
 template <typename T>
 inline void prefetch_value_row(const T* row) {
-  for (int l = 0; l < 64 * int(sizeof(T)); l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + kAttnPrefetch + l, _MM_HINT_T0);
+  for (int l = 0; l < 64 * int(sizeof(T)); l += 64) {
+    if (sizeof(T) == 4) _mm_prefetch(reinterpret_cast<const char*>(row) + kAttnPrefetch + l, kStreamHint);
+    else _mm_prefetch(reinterpret_cast<const char*>(row) + kAttnPrefetch + l, _MM_HINT_T0);
+  }
 }
 
 inline float exp_scalar(float x) {
