@@ -41,7 +41,7 @@ MODELS = {
 # drafts shipped in specwhisper/drafts: name -> (the fetched target it was distilled for, sha256 of
 # the bundle file <name>.safetensors)
 DRAFTS = {
-    "base-2l": ("base", "7c32a70c8b9119f70697ec553c0b3b1d092831a87ab4163561c0ac49874efce0"),
+    "base-2l": ("base", "a27ba25a445fbef6cd045fd467512f0f3361a5543c98fc4c0517e983a963f5ae"),
 }
 NAMES = (*MODELS, *DRAFTS)
 
