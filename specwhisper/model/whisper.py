@@ -448,7 +448,7 @@ class Decoder(nn.Module):
 
         `check` False skips that check (the copies as last checked): an engine's iterations, whose
         windows checked at their start (the prompt pass), so a change in place reaches an engine
-        from its next window on. The check reads a version counter of each of base's 72 copied
+        from its next window on. The check reads a version counter of each of base's 108 copied
         tensors, each a cache miss right after a step has streamed the weights: ≈ 0.15 ms an
         iteration of base drafted by base-2l (2 threads of a Zen 4 EPYC), 4% of a step."""
         copied = getattr(self, "_copied", ()) if check else ()
