@@ -233,11 +233,15 @@ def decoder_step(decoder, tokens, input_pos, cache, kv_len: int, keep: int = 0):
     layer (`model.whisper.DecoderLayer.forward_rows`'s ops in its order) and the last norm, with the
     same bits (callers check `active` first). keep in 1..T-1: the last layer runs past its key/value
     projections for the last `keep` positions only, whose hidden states are returned [B, keep, d]."""
-    first = decoder.layers[0]
-    return _ops().decoder_step(tokens, input_pos, decoder.embed_tokens.weight, decoder.embed_positions.weight,
-                               decoder.layer_params(), cache.self_k, cache.self_v, cache.cross_k, cache.cross_v,
-                               kv_len, first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
-                               decoder.layer_norm.bias, keep)
+    return _ops().decoder_step(tokens, input_pos, *_step_args(decoder, cache, kv_len), keep)
+
+
+def _step_args(decoder, cache, kv_len: int, check: bool = True) -> tuple:
+    """The decoder's and its cache's arguments every C++ step op takes, in their order (`check`:
+    `Decoder.layer_params`'s)."""
+    return (decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(check), cache.self_k,
+            cache.self_v, cache.cross_k, cache.cross_v, kv_len, decoder.layers[0].self_attn.n_heads,
+            decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias)
 
 
 def draft_greedy(decoder, tokens, input_pos, cache, kv_len: int, head, banned, next_pos, k: int):
@@ -245,12 +249,8 @@ def draft_greedy(decoder, tokens, input_pos, cache, kv_len: int, head, banned, n
     input_pos, cache, kv_len, keep=1)`, `head.argmax` (a 2- or 4-bit `Q4Head`) on it, then k - 1
     times the proposal fed back at next_pos + j and proposed from -> proposals [B, k], the same bits
     (callers check `decoder.cpu_fused()` and the head's `active` first)."""
-    first = decoder.layers[0]
-    return _ops().draft_greedy(tokens, input_pos, decoder.embed_tokens.weight, decoder.embed_positions.weight,
-                               decoder.layer_params(), cache.self_k, cache.self_v, cache.cross_k, cache.cross_v,
-                               kv_len, first.self_attn.n_heads, decoder.layer_norm.eps, decoder.layer_norm.weight,
-                               decoder.layer_norm.bias, head.packed, head.scale, head.weight, head.candidates,
-                               banned, head.BITS, next_pos, k)
+    return _ops().draft_greedy(tokens, input_pos, *_step_args(decoder, cache, kv_len), head.packed, head.scale,
+                               head.weight, head.candidates, banned, head.BITS, next_pos, k)
 
 
 def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int, k: int, width: int, max_pos: int):
@@ -259,10 +259,7 @@ def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int,
     `draft_greedy`'s k proposals, and the slot state (`state`: draft_passes, raw, dcached,
     proposals) updated in place as `propose` does (an engine's iteration: the weights as
     its windows' starts checked them, `Decoder.layer_params`)."""
-    first = decoder.layers[0]
-    _ops().draft_propose(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(False),
-                         cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
-                         decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
+    _ops().draft_propose(*_step_args(decoder, cache, kv_len, check=False), head.packed,
                          head.scale, head.weight, head.candidates, banned, head.BITS, state.dtokens, state.dn,
                          state.dcached, state.draft_on, state.row_k, d2t, state.raw, state.proposals,
                          state.draft_passes, B, k, width, max_pos)
@@ -275,10 +272,7 @@ def verify_greedy(decoder, head, suppress, cache, kv_len: int, state, B: int, k:
     iteration: the weights as its windows' starts checked them, `Decoder.layer_params`)."""
     from ..model.head import TINY  # (head.py imports this module)
 
-    first = decoder.layers[0]
-    _ops().verify_greedy(decoder.embed_tokens.weight, decoder.embed_positions.weight, decoder.layer_params(False),
-                         cache.self_k, cache.self_v, cache.cross_k, cache.cross_v, kv_len, first.self_attn.n_heads,
-                         decoder.layer_norm.eps, decoder.layer_norm.weight, decoder.layer_norm.bias, head.packed,
+    _ops().verify_greedy(*_step_args(decoder, cache, kv_len, check=False), head.packed,
                          head.scale, head.bound, head.weight, TINY, suppress, state.tokens, state.n_tokens,
                          state.done, state.budget, state.proposals, state.target_passes, state.drafted,
                          state.accepted_total, state.accepted_now, eot, B, k, *_draft_commit(state, draft_side))
