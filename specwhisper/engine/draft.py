@@ -367,6 +367,17 @@ def valid_costs(costs) -> bool:
         return False
 
 
+def fit_line(points) -> tuple[float, float]:
+    """(a, b) of y ≈ a + b·x by weighted least squares over (x, weight, y), b >= 0 (a flat line
+    through the weighted mean where the fit slopes down, or where every x is the same)."""
+    total = sum(w for _, w, _ in points)
+    mx = sum(w * x for x, w, _ in points) / total
+    my = sum(w * y for _, w, y in points) / total
+    sxx = sum(w * (x - mx) ** 2 for x, w, _ in points)
+    b = max(sum(w * (x - mx) * (y - my) for x, w, y in points) / sxx, 0.0) if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
 def pool_positions(kv: torch.Tensor, pool: int) -> torch.Tensor:
     """Cross K/V [L, B, H, T, D] -> [L, B, H, T / pool, D]: the mean (in float32) of each run of
     `pool` adjacent positions (`pool` 1: `kv` itself). A compact CPU draft attends over these
@@ -462,8 +473,9 @@ class DraftLength:
     - c = (draft step time) / (plain pass time), and v(r) = (target pass over r rows) / (plain
       pass): both measured once on scratch caches before the first decision (`calibrate`: on a
       CPU each verify row adds arithmetic, v(5) ≈ 1.1-1.7 by machine; the draft step of a small model costs
-      far more than its bytes suggest), then kept up to date from the timed iterations (the
-      row counts not in use scaled with the one in use, `_new_verify_ratio`);
+      far more than its bytes suggest), then kept up to date from the timed iterations: every
+      EXPLORE-th speculative iteration drafts k ± 1, so the passes next to the one in use are
+      timed too, and v(r) for r >= 2 is the line fitted to them (`_new_verify_ratio`);
     - p_j is the acceptance of proposal j given the j - 1 before it were accepted, counted over
       recent iterations that reached j (exponentially weighted, with the pooled rate
       α = accepted / (accepted + rejections) as a prior): the rate depends on the position (base's
@@ -485,17 +497,24 @@ class DraftLength:
     step: right after a speculative iteration the target's weights are out of the caches (the
     draft's steps ran in between), so such a step, slower than plain decoding, is not counted and
     another plain step follows it. Two plain steps every 32 speculative iterations keep the plain
-    rate fresh; a window's end leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS),
-    so each window starts from the model and is measured anew; while speculation is off, a k = 1
-    probe keeps the acceptance fresh, after 16 plain steps and then, while probes keep losing,
-    after twice as many each time, but only where a draft that is always right would pay (so a
-    self draft, or one whose setup outweighs any saving, never drafts), and, when a draft's start
-    costs more than CHEAP_SETUP plain passes (its own encoder), only in windows whose draft runs
-    already (the engine does not let a probe pay that encoder). The first iteration is a
-    plain step. The estimates live in the engine's drafter, so they carry over between calls.
+    rate fresh (every 128 while the measured speculative rate beats it by CLEAR); a window's end
+    leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts
+    from the model and is measured anew; while speculation is off, a k = 1 probe keeps the
+    acceptance fresh and its own rate stands for the measured one (the stretch that switched
+    speculation off no longer decides), after 16 plain steps and then, while probes keep losing,
+    after twice as many each time up to PROBE_MAX, but only where a draft that is always right
+    would pay (so a self draft, or one whose setup outweighs any saving, never drafts), and, when
+    a draft's start costs more than CHEAP_SETUP plain passes (its own encoder), only in windows
+    whose draft runs already (the engine does not let a probe pay that encoder). The first
+    iteration is a plain step. The estimates live in the engine's drafter, so they carry over between calls.
     """
 
-    REFRESH = 16  # plain steps between speculative probes
+    REFRESH = 16  # plain steps between speculative probes ...
+    # ... doubled after each lost probe up to this many: a k = 1 probe that keeps none of its
+    # proposal loses by chance (an acceptance of 0.85: one probe in 7), and a draft worth 1.27x
+    # kept off by a few such probes in a row waited thousands of plain steps for the next one
+    # (simulated; at most 1% of a useless draft's time goes to probes every 64 plain steps)
+    PROBE_MAX = 64
     # a draft start costing at most this many plain passes is cheap (`setup_is_cheap`): a shared
     # encoder draft's (base's distilled: its cross K/V copied, a 4-token prompt pass, ≈ 0.6), not
     # one with its own encoder (tiny.en's, int8 and block-local, held to AVX2: 14-16). At 16,
@@ -503,8 +522,12 @@ class DraftLength:
     # windows at 0.91x of target-only (bench/cpu.py) where k = 3 was worth 1.03x
     CHEAP_SETUP = 4.0
     # speculative iterations between plain-step refreshes (two plain steps, the first untimed: as
-    # many plain steps a drafted token as one step every 16 iterations)
+    # many plain steps a drafted token as one step every 16 iterations) ...
     REFRESH_SPEC = 32
+    # ... and CLEAR_SPREAD times as many while the measured speculative rate beats the plain one by
+    # CLEAR: a refresh only guards a decision near the margin. base's distilled draft (1.5x decode)
+    # spent 23 of its 375 iterations on plain steps, 2% of its decoding time
+    CLEAR, CLEAR_SPREAD = 1.3, 4
     DECAY = 0.9  # weight of the past in every running estimate (but the next)
     RUN_DECAY = 0.97  # ... in the per-position acceptance counts (sparser: slower to forget)
     PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
@@ -536,12 +559,22 @@ class DraftLength:
     TRIAL = 4
     # extra verify cost v(r) - 1 below which a pass's rows count as free (`_new_verify_ratio`)
     FLAT = 0.02
+    # while on, every EXPLORE-th speculative iteration drafts one more token than the best k, or one
+    # fewer (alternately), so the verify passes next to the one in use are timed in this engine
+    # (`_new_verify_ratio`) and the acceptance one position further is counted
+    EXPLORE = 8
+    # decayed count of timings below which a row count no longer counts as timed lately (one timing
+    # 100 iterations ago: 0.97^100 = 0.05)
+    LATELY = 0.05
 
     def __init__(self, fixed: int | None):
         self.fixed = fixed
         self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
         self.cost_ratio = 0.3  # c: draft step / plain pass (prior until `calibrate`)
         self.verify_ratio = [1.0] * (MAX_K + 2)  # v(r), index r = rows (prior: flat, as on a GPU)
+        self.shape = list(self.verify_ratio)  # v(r) as calibrated
+        self.row_sum = [0.0] * (MAX_K + 2)  # decayed sums of the timings of passes over r rows ...
+        self.row_weight = [0.0] * (MAX_K + 2)  # ... and their decayed counts
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
         self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
         # tokens already generated in the windows whose drafts would start next (their mean; set by
@@ -561,6 +594,7 @@ class DraftLength:
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
         self.spec_iters = 0
+        self.since_refresh = 0  # speculative iterations since the last plain-step refresh
         self.on = False  # speculation is switched on (refresh plain steps and all)
         self.after_spec = False  # the last iteration drafted: the next plain step runs on cold caches
         self.probe_every = self.until_probe = self.REFRESH  # plain steps between probes (backs off)
@@ -574,7 +608,7 @@ class DraftLength:
                   setup_seconds: float) -> None:
         """Start from measured pass costs (`Drafter.measure_costs`) instead of the priors."""
         self.plain_pass = plain_seconds if self.plain_pass is None else self.plain_pass
-        self.verify_ratio = list(verify_ratio)
+        self.verify_ratio, self.shape = list(verify_ratio), list(verify_ratio)
         self.cost_ratio = cost_ratio
         self.cost_floor = 1.0 if cost_ratio >= 1.0 else 0.0
         self.setup = max(self.setup, setup_seconds / plain_seconds)
@@ -621,19 +655,39 @@ class DraftLength:
             self.setup *= self.plain_pass / new
         self.plain_pass, self.plain_timed = new, True
 
-    def _new_verify_ratio(self, rows: int, value: float) -> None:
-        """v(rows) measured anew. What a pass's extra rows cost moves with the machine's state (a
-        shared machine's memory bandwidth: on a 2-vCPU Zen 4 EPYC v(5) read 2.0 in one minute and
-        1.3 in another), and only the row counts in use are measured: the others' extra costs
-        v(r) - 1 move by the same factor, so their shape stays the calibration's and their scale is
-        current. Left at the calibration's values, a v(5) calibrated at 2.11 kept base's distilled
-        draft at k = 3 in a phase where k = 4 measured faster (bench: adaptive 1.23x against k = 3's
-        1.42x and k = 4's 1.33x). No rescaling where the extra cost is about nil (a GPU's flat v)."""
-        old, self.verify_ratio[rows] = self.verify_ratio[rows], value
-        if old - 1.0 > self.FLAT and value - 1.0 > self.FLAT:
-            factor = min(max((value - 1.0) / (old - 1.0), 0.5), 2.0)
-            self.verify_ratio = [v if r < 2 or r == rows else 1.0 + (v - 1.0) * factor
-                                 for r, v in enumerate(self.verify_ratio)]
+    def _new_verify_ratio(self, rows: int, sample: float) -> None:
+        """A pass over `rows` rows timed at `sample` plain passes. v(r) for r >= 2 is a line,
+        1 + a + b·(r - 2), fitted (weighted least squares, b >= 0) to the running mean timing of
+        each row count timed lately (counts decayed by RUN_DECAY an iteration): the first extra
+        row costs a jump (another code path than the plain step's; the engine's multi-row pass
+        with its acceptance: 1.39 plain passes for 3 rows on a Zen 4 EPYC where the calibration's
+        isolated passes read 1.11), each further one its arithmetic. Exploring iterations
+        (`explore`) time the row counts beside the one in use, so the line rests on two or three
+        of them; a single value per row count, extrapolated, kept the calibration's shape (1.11,
+        1.24, 1.52 for 3..5 rows, timed in a slow-memory phase, where the engine's passes read
+        1.39, 1.37, 1.48) and held base's distilled draft at k = 2 where k = 3 and 4 decoded
+        1.16x and 1.19x faster a token. Timed at one row count only, the others keep the
+        calibration's line, scaled to it (what a pass's extra rows cost moves with the machine's
+        memory phase: v(5) read 2.0 in one minute and 1.3 in another), or, where the calibration
+        is flat (a GPU), stay as they are."""
+        sample = min(max(sample, self.verify_ratio[rows] / 2), self.verify_ratio[rows] * 2)
+        self.row_sum = [self.RUN_DECAY * x for x in self.row_sum]
+        self.row_weight = [self.RUN_DECAY * w for w in self.row_weight]
+        self.row_sum[rows] += sample
+        self.row_weight[rows] += 1.0
+        timed = [(r, self.row_weight[r], self.row_sum[r] / self.row_weight[r] - 1.0)
+                 for r in range(2, MAX_K + 2) if self.row_weight[r] > self.LATELY]
+        if len(timed) >= 2:
+            a, b = fit_line([(r - 2, w, y) for r, w, y in timed])
+            self.verify_ratio[2:] = [1.0 + max(a + b * (r - 2), 0.0) for r in range(2, MAX_K + 2)]
+            return
+        r0, _, y0 = timed[0]  # rows itself
+        a, b = fit_line([(r - 2, 1.0, v - 1.0) for r, v in enumerate(self.shape) if r >= 2])
+        calibrated = a + b * (r0 - 2)
+        self.verify_ratio[r0] = 1.0 + y0
+        if calibrated > self.FLAT and y0 > self.FLAT:
+            scale = y0 / calibrated
+            self.verify_ratio[2:] = [1.0 + max(a + b * (r - 2), 0.0) * scale for r in range(2, MAX_K + 2)]
 
     def charge(self, seconds: float, rows: int = 1) -> None:
         """A draft setup of `seconds` for `rows` windows (their drafts started)."""
@@ -674,6 +728,20 @@ class DraftLength:
         spec_time = self.spec[1] / self.spec[0] + self.setup_share() * (self.plain_pass or 0.0)
         return self.plain[1] / self.plain[0] > margin * spec_time
 
+    def clear(self) -> bool:
+        """Whether the measured speculative rate beats the plain steps' by CLEAR."""
+        if self.spec is None or self.plain is None or self.spec[0] < self.MEASURED_TOKENS:
+            return False
+        return self.plain[1] / self.plain[0] > self.CLEAR * self.spec[1] / self.spec[0]
+
+    def explore(self, k: int) -> int:
+        """The next speculative iteration's k given the best one: one more or one fewer in every
+        EXPLORE-th iteration (alternately; the other way at 1 and MAX_K), else k itself."""
+        if self.spec_iters % self.EXPLORE != self.EXPLORE // 2:
+            return k
+        step = 1 if (self.spec_iters // self.EXPLORE) % 2 == 0 else -1
+        return k + step if 1 <= k + step <= MAX_K else k - step
+
     def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
         if self.fixed is not None:
             return
@@ -701,7 +769,10 @@ class DraftLength:
             return
         probing = self.probing()
         self.after_spec = True
-        self.spec = self._track(self.spec, tokens, seconds)
+        # a probe's own rate decides, at the weight of a measured one (not the stretch that switched
+        # speculation off, nor the model alone: its acceptance by position is that stretch's)
+        self.spec = (self.MEASURED_TOKENS, seconds * self.MEASURED_TOKENS / tokens) if probing and tokens \
+            else self._track(self.spec, tokens, seconds)
         self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)
         fail = sum(1 for a in rows if a < k) / max(len(rows), 1)
@@ -714,15 +785,17 @@ class DraftLength:
                 self.reach[j] += 1 / len(rows)
                 self.hit[j] += (a >= j) / len(rows)
         if verify_seconds > 0 and self.plain_pass:
-            self._new_verify_ratio(k + 1, self._follow(self.verify_ratio[k + 1], verify_seconds / self.plain_pass))
+            self._new_verify_ratio(k + 1, verify_seconds / self.plain_pass)
             self.cost_ratio = self._follow(self.cost_ratio, draft_seconds / k / self.plain_pass)
-        refresh = self.spec_iters % self.REFRESH_SPEC == 0
+        self.since_refresh += 1
         self.on = self.pays()
         if self.on:
             self.probe_every = self.until_probe = self.REFRESH
-            self.k = 0 if refresh else self.best()[0]
+            refresh = self.since_refresh >= self.REFRESH_SPEC * (self.CLEAR_SPREAD if self.clear() else 1)
+            self.since_refresh = 0 if refresh else self.since_refresh
+            self.k = 0 if refresh else self.explore(self.best()[0])
         else:
             if probing:  # a lost probe: wait twice as long before the next one
-                self.probe_every = min(2 * self.probe_every, 4096)
+                self.probe_every = min(2 * self.probe_every, self.PROBE_MAX)
             self.until_probe = self.probe_every
             self.k = 0
