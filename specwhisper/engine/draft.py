@@ -506,7 +506,8 @@ class DraftLength:
     would pay (so a self draft, or one whose setup outweighs any saving, never drafts), and, when
     a draft's start costs more than CHEAP_SETUP plain passes (its own encoder), only in windows
     whose draft runs already (the engine does not let a probe pay that encoder). The first
-    iteration is a plain step. The estimates live in the engine's drafter, so they carry over between calls.
+    iteration is a plain step. The estimates live in the engine's drafter, so they carry over
+    between calls.
     """
 
     REFRESH = 16  # plain steps between speculative probes ...
