@@ -312,3 +312,40 @@ def test_an_engine_reads_weights_changed_in_place_from_its_next_window(mels):
     change(fresh)
     assert after == fresh.transcribe(mels[0], **opts).tokens
     assert after != before  # the change matters to the tokens
+
+
+def test_the_adaptive_k_times_the_passes_beside_its_k_on_a_real_pair(mels):
+    """base drafted by base-2l with the adaptive k, held on (`pays`) so the test does not hang on
+    this machine's speed: every EXPLORE-th speculative iteration drafts one more or one fewer
+    token than the rule's best k, so at least two row counts of the engine's own verify passes
+    are timed, and v(r) for r >= 2 is the line fitted to them (nondecreasing, in equal steps where
+    above 1); the tokens are target-only's."""
+    from specwhisper.engine.draft import DraftLength
+
+    class On(DraftLength):
+        def pays(self) -> bool:
+            return True
+
+    folder, draft = real_folder("base"), real_folder("base-2l")
+    plain, engine = Engine(folder, background=False), Engine(folder, draft=draft, background=False)
+    rule = engine.drafter.length = On(None)
+    drafted, best = [], []
+    update = rule.update
+
+    def tracked(k, *args, **kwargs):
+        if k:
+            drafted.append(k)
+            best.append(rule.best()[0])
+        return update(k, *args, **kwargs)
+
+    rule.update = tracked
+    for mel in list(mels) * 2:
+        assert engine.transcribe(mel, language="en").tokens == plain.transcribe(mel, language="en").tokens
+    assert len(drafted) > rule.EXPLORE, drafted
+    assert any(abs(k - b) == 1 for k, b in zip(drafted, best)), (drafted, best)  # explored
+    timed = [r for r in range(2, len(rule.row_weight)) if rule.row_weight[r] > rule.LATELY]
+    assert len(timed) >= 2, (timed, drafted)
+    v = rule.verify_ratio[2:]
+    assert all(b >= a >= 1.0 for a, b in zip(v, v[1:])), v
+    steps = [b - a for a, b in zip(v, v[1:]) if a > 1.0]  # a line (where above 1: a pass never costs less than a step)
+    assert not steps or max(steps) - min(steps) < 1e-9, v
