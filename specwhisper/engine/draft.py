@@ -573,7 +573,7 @@ class DraftLength:
         self.accepted, self.trials = 4.0, 5.0  # prior α = 0.8, weight of ~5 tokens
         self.cost_ratio = 0.3  # c: draft step / plain pass (prior until `calibrate`)
         self.verify_ratio = [1.0] * (MAX_K + 2)  # v(r), index r = rows (prior: flat, as on a GPU)
-        self.shape = list(self.verify_ratio)  # v(r) as calibrated
+        self.calibrated_line = (0.0, 0.0)  # (a, b) of the line fitted to v(r) - 1 as calibrated (flat prior)
         self.row_sum = [0.0] * (MAX_K + 2)  # decayed sums of the timings of passes over r rows ...
         self.row_weight = [0.0] * (MAX_K + 2)  # ... and their decayed counts
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
@@ -609,7 +609,8 @@ class DraftLength:
                   setup_seconds: float) -> None:
         """Start from measured pass costs (`Drafter.measure_costs`) instead of the priors."""
         self.plain_pass = plain_seconds if self.plain_pass is None else self.plain_pass
-        self.verify_ratio, self.shape = list(verify_ratio), list(verify_ratio)
+        self.verify_ratio = list(verify_ratio)
+        self.calibrated_line = fit_line([(r - 2, 1.0, v - 1.0) for r, v in enumerate(verify_ratio) if r >= 2])
         self.cost_ratio = cost_ratio
         self.cost_floor = 1.0 if cost_ratio >= 1.0 else 0.0
         self.setup = max(self.setup, setup_seconds / plain_seconds)
@@ -683,7 +684,7 @@ class DraftLength:
             self.verify_ratio[2:] = [1.0 + max(a + b * (r - 2), 0.0) for r in range(2, MAX_K + 2)]
             return
         r0, _, y0 = timed[0]  # rows itself
-        a, b = fit_line([(r - 2, 1.0, v - 1.0) for r, v in enumerate(self.shape) if r >= 2])
+        a, b = self.calibrated_line
         calibrated = a + b * (r0 - 2)
         self.verify_ratio[r0] = 1.0 + y0
         if calibrated > self.FLAT and y0 > self.FLAT:
