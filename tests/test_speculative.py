@@ -457,6 +457,25 @@ def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels,
     assert out.tokens == reference[0] and out.stats.draft_passes > 0
 
 
+def test_a_clear_draft_keeps_its_refresh_cadence_across_windows():
+    """A draft whose measured rate beats plain steps by CLEAR refreshes every 128 speculative
+    iterations across windows too: a window's start, whose own rate is not measured yet, keeps the
+    verdict (read as not clear, every window start brought the refresh forward to 32 iterations,
+    onto the window's first, slowest plain steps)."""
+    from specwhisper.engine.draft import DraftLength
+
+    rule, ks = DraftLength(None), []
+    for _ in range(12):  # windows of 20 iterations, each keeping one proposal (two tokens, 1.8x
+        for _ in range(20):  # a plain step's rate), a draft step 5% of a pass
+            k = rule.k
+            rule.update(k, [min(k, 1)], [False], draft_seconds=0.05 * k, verify_seconds=1.0)
+            ks.append(k)
+        rule.window_done(sum(min(k, 1) + 1 for k in ks[-20:]))
+    plain = [i for i, k in enumerate(ks) if k == 0]
+    assert plain[0] == 0 and plain[1:] == [129, 130], plain
+    assert rule.clear() and rule.cleared
+
+
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
