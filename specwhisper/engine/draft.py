@@ -734,11 +734,12 @@ class DraftLength:
     def clear(self) -> bool:
         """Whether the measured speculative rate beats the plain steps' by CLEAR. While a window's
         own rate is still under MEASURED_TOKENS (`window_done` leaves the last one little weight),
-        the verdict measured before it: read as not clear, every window start made a draft that had
-        run at 128 iterations a refresh wait 32, so the refreshes fell on windows' first tokens,
-        whose plain steps are the slowest (timestamps: base on the demo recording, tokens 0-3 of a
-        window 4.09 ms against 3.67 from token 24 on), and their timings overstated the plain pass
-        (4.3-4.6 against 3.5-3.7 ms), which understated what verify rows cost."""
+        the verdict measured before it. Read as not clear, every window start brought a clear
+        draft's refresh forward from 128 speculative iterations to 32, so refreshes fell on
+        windows' first tokens, whose plain steps are the slowest (timestamps: base on the demo
+        recording, tokens 0-3 of a window 4.09 ms against 3.67 from token 24 on), and their
+        timings overstated the plain pass (4.3-4.6 against 3.5-3.7 ms), which understated what
+        verify rows cost."""
         if self.spec is None or self.plain is None:
             return False
         if self.spec[0] >= self.MEASURED_TOKENS:
