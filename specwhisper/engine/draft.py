@@ -497,7 +497,8 @@ class DraftLength:
     step: right after a speculative iteration the target's weights are out of the caches (the
     draft's steps ran in between), so such a step, slower than plain decoding, is not counted and
     another plain step follows it. Two plain steps every 32 speculative iterations keep the plain
-    rate fresh (every 128 while the measured speculative rate beats it by CLEAR); a window's end
+    rate fresh (every 128 while the measured speculative rate beats it by CLEAR, a verdict the
+    next window's first iterations keep); a window's end
     leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts
     from the model and is measured anew; while speculation is off, a k = 1 probe keeps the
     acceptance fresh and its own rate stands for the measured one (the stretch that switched
