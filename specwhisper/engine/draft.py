@@ -497,18 +497,17 @@ class DraftLength:
     step: right after a speculative iteration the target's weights are out of the caches (the
     draft's steps ran in between), so such a step, slower than plain decoding, is not counted and
     another plain step follows it. Two plain steps every 32 speculative iterations keep the plain
-    rate fresh (every 128 while the measured speculative rate beats it by CLEAR, a verdict the
-    next window's first iterations keep); a window's end
-    leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts
-    from the model and is measured anew; while speculation is off, a k = 1 probe keeps the
-    acceptance fresh and its own rate stands for the measured one (the stretch that switched
-    speculation off no longer decides), after 16 plain steps and then, while probes keep losing,
-    after twice as many each time up to PROBE_MAX, but only where a draft that is always right
-    would pay (so a self draft, or one whose setup outweighs any saving, never drafts), and, when
-    a draft's start costs more than CHEAP_SETUP plain passes (its own encoder), only in windows
-    whose draft runs already (the engine does not let a probe pay that encoder). The first
-    iteration is a plain step. The estimates live in the engine's drafter, so they carry over
-    between calls.
+    rate fresh (every 128 while the measured speculative rate beats it by CLEAR, a verdict the next
+    window's first iterations keep); a window's end leaves the measured speculative rate little
+    weight (NEW_WINDOW_TOKENS), so each window starts from the model and is measured anew; while
+    speculation is off, a k = 1 probe keeps the acceptance fresh and its own rate stands for the
+    measured one (the stretch that switched speculation off no longer decides), after 16 plain steps
+    and then, while probes keep losing, after twice as many each time up to PROBE_MAX, but only
+    where a draft that is always right would pay (so a self draft, or one whose setup outweighs any
+    saving, never drafts), and, when a draft's start costs more than CHEAP_SETUP plain passes (its
+    own encoder), only in windows whose draft runs already (the engine does not let a probe pay that
+    encoder). The first iteration is a plain step. The estimates live in the engine's drafter, so
+    they carry over between calls.
     """
 
     REFRESH = 16  # plain steps between speculative probes ...
