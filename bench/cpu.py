@@ -15,7 +15,9 @@ encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/en
     python bench/cpu.py --vector-level 1                 # an AVX2-only CPU, measured on an AVX-512 one
 
 Decode time per token = (median whole call − the system's median encoder time) / tokens, so a
-draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls.
+draft's own encoder (tiny.en) counts as decode time; "whole call" compares complete calls. The
+float32 specwhisper systems run the same target encoder, so their encoder samples are pooled into
+one median, subtracted from each alike.
 All systems are timed interleaved (each round takes each window through every system in turn);
 besides the ratios of medians, the table gives paired ratios against target-only: each round's
 decode (and whole-call) seconds against target-only's in the same round, median and range over rounds.
@@ -317,25 +319,29 @@ def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
     of the machine hits all alike; every other round in reverse order); decode seconds per window =
     median call minus the system's median encoder time. Besides the medians, each round's sums give
     paired ratios against the first system (decode and whole call, that round's calls only): their
-    median and range over the rounds. systems: (name, run, encode)."""
-    tokens = {name: [run(mel) for mel in mels] for name, run, _ in systems}  # also the warm-up
-    calls = {name: [[] for _ in mels] for name, _, _ in systems}
-    encs = {name: [] for name, _, _ in systems}
+    median and range over the rounds. systems: (name, run, encode) or (name, run, encode, group):
+    systems of one group run the same encoder on the same weights, and their encoder samples are
+    pooled into one median (a median per engine differed by 4% of a decode round between two
+    engines in one run, which moved every paired decode ratio by that much)."""
+    systems = [(*s, s[0]) if len(s) == 3 else s for s in systems]
+    tokens = {name: [run(mel) for mel in mels] for name, run, _, _ in systems}  # also the warm-up
+    calls = {name: [[] for _ in mels] for name, _, _, _ in systems}
+    encs = {group: [] for _, _, _, group in systems}
     for r in range(repeats):
         # every other round backwards: no system always runs right after the same neighbour (the
         # CTranslate2 workers' processes, a draft engine's setup) or always first on cold caches
         for i, mel in enumerate(mels):
-            for name, run, encode in (systems if r % 2 == 0 else systems[::-1]):
+            for name, run, encode, group in (systems if r % 2 == 0 else systems[::-1]):
                 t = time.perf_counter()
                 run(mel)
                 calls[name][i].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 encode(mel)
-                encs[name].append(time.perf_counter() - t)
+                encs[group].append(time.perf_counter() - t)
     out = []
-    for name, _, _ in systems:
+    for name, _, _, group in systems:
         totals = [statistics.median(c) for c in calls[name]]
-        enc = statistics.median(encs[name])
+        enc = statistics.median(encs[group])
         decode = [t - enc for t in totals]
         n = sum(len(t) + 1 for t in tokens[name])  # + 1: the EOT step
         seconds = sum(decode) if min(decode) > 0 else float("nan")  # nan: swamped by noise
@@ -431,10 +437,12 @@ def main() -> None:
     def our_encoder(e):
         return lambda mel: e.target.model.encoder(mel[None].to(e.dtype))
 
+    f32 = "specwhisper float32 encoder"  # every float32 engine's target encoder: one pooled median
+
     prompt = engine.target.tokenizer.prompt("en", "transcribe")
     ct2 = CT2Worker(ct2_dir("base"), mels, args.threads, prompt, Path(tmp_dir.name))
     ct2_int8 = CT2Worker(ct2_dir("base"), mels, args.threads, prompt, Path(tmp_dir.name), "int8")
-    systems = [("specwhisper target-only", ours(engine), our_encoder(engine)),
+    systems = [("specwhisper target-only", ours(engine), our_encoder(engine), f32),
                ("CTranslate2 float32", lambda mel: ct2.call("generate", mel),
                 lambda mel: ct2.call("encode", mel)),
                ("CTranslate2 int8", lambda mel: ct2_int8.call("generate", mel),
@@ -463,7 +471,7 @@ def main() -> None:
         e = Engine(base, folder, draft_head_tokens=head_tokens)
         for k in (None, *args.k):
             label = f"specwhisper + {name} (k={k or 'adaptive'})"
-            systems.append((label, ours(e, k, label), our_encoder(e)))
+            systems.append((label, ours(e, k, label), our_encoder(e), f32))
     bf16 = Engine(base, dtype=torch.bfloat16)
     systems.append(("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16)))
     runs = end_to_end(systems, mels, args.repeats)

@@ -35,3 +35,29 @@ def test_end_to_end_interleaves_windows_and_pairs_rounds(monkeypatch):
     assert by["C"]["paired_call_vs_first"] == dict(median=1.0, low=1.0, high=1.0)
     assert by["B"]["paired_call_vs_first"]["low"] == pytest.approx(6 / 4)  # round 0: (2 + 1) * 2 / (1 + 1) * 2
     assert by["A"]["round_decode_seconds"] == [4.0, 16.0, 28.0]
+
+
+def test_end_to_end_pools_encoder_samples_within_a_group(monkeypatch):
+    """Systems of one group subtract one pooled encoder median: equal calls read as equal decode
+    even when the encoder, timed apart, ran slower beside one of them."""
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    enc_time = {"A": 1.0, "B": 1.2, "C": 1.2}  # the same encoder, timed 20% slower beside B and C
+
+    def system(name, group):
+        def run(mel):
+            clock[0] += 3.0  # every call alike
+            return [1, 2, 3]
+
+        def encode(mel):
+            clock[0] += enc_time[name]
+        return (name, run, encode) if group is None else (name, run, encode, group)
+
+    out = cpu.end_to_end([system("A", "g"), system("B", "g"), system("C", None)], mels=[0, 1, 2], repeats=3)
+    by = {x["name"]: x for x in out}
+    # A and B pool 9 samples at 1.0 and 9 at 1.2 into one median (1.1); C keeps its own (1.2)
+    assert by["A"]["encoder_seconds"] == by["B"]["encoder_seconds"] == pytest.approx(1.1)
+    assert by["C"]["encoder_seconds"] == pytest.approx(1.2)
+    assert by["B"]["paired_decode_vs_first"] == pytest.approx(dict(median=1.0, low=1.0, high=1.0))
+    # ungrouped, C's own median reads its equal calls as faster decode: 1.9 s against 1.8 s
+    assert by["C"]["paired_decode_vs_first"]["median"] == pytest.approx(1.9 / 1.8)
