@@ -426,3 +426,38 @@ def test_avx512_level_keeps_the_kernel_only_where_avx512_is_half_width():
             assert cpu_ops.encoder_attention_usable(x)
         with cpu_ops.vector_level(0):
             assert not cpu_ops.encoder_attention_usable(x)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_pooled_encoder_fast_path_equals_its_reference(encoder, int8):
+    """A draft's encoder on pooled positions (`Whisper.pool_encoder`): the fast path equals the
+    reference forward, which is the layers run on the means of adjacent positions (checked
+    against the unpooled encoder's own pieces), blocks of 150 20-ms positions becoming 75; windows
+    of every length reuse one pack; a frame count the pool does not divide is refused."""
+    if int8 and not encoder_cpu.int8_usable():
+        pytest.skip("this torch has no fbgemm int8 linear")
+    gen = torch.Generator().manual_seed(6)
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=gen)
+    encoder.attention_block, encoder.int8_linears, encoder.pool_positions = 150, int8, 2
+    try:
+        assert encoder.layer_blocks(750) == [75] * (len(encoder.layers) - 1) + [None]
+        with torch.no_grad():
+            fast, ref = encoder(mel), encoder.reference(mel)
+            short = encoder(mel[..., :1200])
+            # the spec, written out: convolutions and positions as Whisper, then pairs' means
+            F = torch.nn.functional
+            x = F.gelu(encoder.conv2(F.gelu(encoder.conv1(mel)))).transpose(1, 2) + encoder.embed_positions.weight
+            x = (x[:, 0::2] + x[:, 1::2]) / 2
+            for layer, block in zip(encoder.layers, [75] * (len(encoder.layers) - 1) + [None]):
+                x = layer(x, block)
+            spec = encoder.layer_norm(x)
+        with pytest.raises(ValueError, match="multiple of 4 mel frames"):
+            encoder(mel[..., :1202])
+    finally:
+        del encoder.attention_block, encoder.int8_linears, encoder.pool_positions
+    assert fast.shape == ref.shape == (1, 750, encoder.conv1.out_channels) and short.shape[1] == 300
+    torch.testing.assert_close(ref, spec, rtol=1e-5, atol=1e-5)
+    if int8:
+        assert torch.nn.functional.cosine_similarity(fast[0], ref[0], dim=-1).min() > 0.98
+    else:
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)

@@ -195,6 +195,7 @@ def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, re
     draft = engine.drafter.draft.model
     assert draft.encoder.conv1.weight.dtype == torch.bfloat16 and draft.decoder.native_bf16
     assert draft.encoder.attention_block == 150 and not draft.encoder.local_last  # last layer global
+    assert draft.encoder.pool_positions == 2  # its layers on one position per 40 ms (`pool_encoder`)
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == reference[:2]
     assert sum(o.stats.draft_passes for o in out) > 0
@@ -217,13 +218,15 @@ def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, refere
     assert draft.encoder.int8_linears and draft.encoder.conv1.weight.dtype == torch.float32
     assert draft.encoder.attention_block == 150  # and attention within 3 s blocks (`local_encoder`),
     assert draft.encoder.local_last  # the last layer's too with int8 projections
+    assert draft.encoder.pool_positions == 2 and engine.drafter.cross_positions(torch.float32) == 750
     assert not engine.target.model.encoder.int8_linears
     assert engine.target.model.encoder.attention_block is None
+    assert engine.target.model.encoder.pool_positions == 1
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == reference[:2]
     assert sum(o.stats.draft_passes for o in out) > 0
     shared = Engine(target, drafts["shared"]).drafter.draft.model.encoder
-    assert not shared.int8_linears and shared.attention_block is None
+    assert not shared.int8_linears and shared.attention_block is None and shared.pool_positions == 1
 
 
 def test_content_frames_end_at_the_audio_in_whole_blocks():
@@ -255,13 +258,14 @@ def test_a_draft_encoder_runs_over_the_audio_only(target, drafts, mels, monkeypa
     assert [o.tokens for o in out] == [o.tokens for o in plain]
     assert sorted(seen) == [1200, 3000]
     features, frames = engine.drafter.encode(clip[0])
-    assert frames == 600 and features.shape[1] == 1500
-    assert not features[0, 600:].any() and features[0, :600].abs().sum() > 0
+    pool = engine.drafter.draft.model.encoder.pool_positions  # 2 on a CPU (`Whisper.pool_encoder`)
+    assert frames == 600 // pool and features.shape[1] == 1500 // pool == engine.drafter.cross_positions(torch.float32)
+    assert not features[0, frames:].any() and features[0, :frames].abs().sum() > 0
     # the zero frames' K/V written from one zero row: the same bits as projecting them all
     ddec = engine.drafter.draft.model.decoder
     cfg = engine.drafter.draft.config
     for dtype in (torch.float32, torch.bfloat16):
-        caches = [DecoderCache.allocate(cfg, 1, "cpu", torch.float32, dtype) for _ in range(2)]
+        caches = [DecoderCache.allocate(cfg, 1, "cpu", torch.float32, dtype, 1500 // pool) for _ in range(2)]
         ddec.fill_cross(caches[0], features)
         ddec.fill_cross(caches[1], features, frames=frames)
         assert torch.equal(caches[0].cross_k, caches[1].cross_k) and torch.equal(caches[0].cross_v, caches[1].cross_v)
@@ -861,7 +865,8 @@ def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mel
     """A compact CPU draft sharing the target's encoder keeps its cross-attention K/V as the means
     of CROSS_POOL adjacent positions (`draft.pool_positions`): exactly those of the full K/V it
     would have kept, its output unchanged, greedy and sampled, and its cost calibration runs on
-    the pooled cache. One with its own encoder keeps every position and a 4-bit head."""
+    the pooled cache. One with its own encoder runs its layers on pooled positions instead
+    (`Whisper.pool_encoder`: its cross K/V projected from those) and keeps a 4-bit head."""
     from specwhisper.backends.cpu import CpuBackend
     from specwhisper.constants import CROSS_POOL
     from specwhisper.engine.draft import pool_positions
@@ -872,7 +877,8 @@ def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mel
     pooled = Engine(target, drafts[kind])
     side = pooled.runner.draft_side
     if not pooled.drafter.shared_encoder:
-        assert kind == "wrong" and side.pool == 1 and side.cache.cross_k.shape[3] == 1500
+        assert kind == "wrong" and side.pool == 1 and side.cache.cross_k.shape[3] == 750
+        assert pooled.drafter.draft.model.encoder.pool_positions == 2
         assert type(pooled.drafter.head) is Q4Head
         out = pooled.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
         assert [o.tokens for o in out] == reference[:2]

@@ -58,8 +58,8 @@ class Backend:
         C++ step, and, for a draft with its own encoder, its encoder in bfloat16 on a CPU with
         AMX (`cpu_ops.bf16_draft_encoder`), else its projections in int8 (`model.whisper.Whisper.compact_*`,
         `int8_encoder`), its layers attending within 3-second blocks (`local_encoder`; the last
-        layer too with int8 projections, where that pass costs most). A draft only proposes: the
-        output stays exact."""
+        layer too with int8 projections, where that pass costs most) over one position per 40 ms
+        (`pool_encoder`). A draft only proposes: the output stays exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
         if own_encoder:  # its own encoder pass: the largest part of its cost
@@ -71,6 +71,7 @@ class Backend:
                 # local (tiny.en held to AVX2: 123 -> 103 ms a window, demo acceptance 0.869 -> 0.868;
                 # the demo then drafts, 1.07-1.11x, where before the controller kept it off)
                 model.local_encoder(last=model.int8_encoder())
+            model.pool_encoder()  # its layers on one position per 40 ms: half their work and its cross K/V
 
     def draft_cross_dtype(self, decoder, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype of a draft decoder's cross-attention K/V cache (None: `dtype`)."""

@@ -107,6 +107,12 @@ class Drafter:
         pool = self.draft.backend.draft_cross_pool(self.draft.model.decoder, dtype) if self.shared_encoder else 1
         return pool if self.draft.config.max_source_positions % pool == 0 else 1
 
+    def cross_positions(self, dtype: torch.dtype) -> int:
+        """The audio positions of the draft's cross K/V: the encoder's 1500 over `cross_pool`, or
+        over its own encoder's pooling (`Whisper.pool_encoder`)."""
+        pool = self.cross_pool(dtype) if self.shared_encoder else self.draft.model.encoder.pool_positions
+        return self.draft.config.max_source_positions // pool
+
     def head_ids(self, n: int) -> torch.Tensor:
         """The draft's `n` lowest text ids the target can spell (BPE ids follow merge order, not
         English frequency: 12% of bench/cpu.py's tokens lie above 8192), plus EOT: what a pruned
@@ -179,7 +185,8 @@ class Drafter:
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A draft with its own encoder: (features [1, T/2, d] of one window's mel [n_mels, T],
+        """A draft with its own encoder: (features [1, T/2p, d] of one window's mel [n_mels, T],
+        p its encoder's pooling (`Whisper.pool_encoder`),
         the frames computed), its encoder run over the window's audio only (`content_frames`),
         zero features after it (`Decoder.fill_cross(frames=...)` projects them once). A
         7 s clip's 30 s window then costs a quarter of the pass, the last 23 s window of a
@@ -191,10 +198,11 @@ class Drafter:
         0.826x -> 0.924x; natively 0.975x -> 0.958x (noise: a 20% shorter pass of ≈ 60 ms) and
         0.903x -> 0.952x; acceptance unchanged (936/1176 -> 942/1158, 318/324 -> 312/342)."""
         n = content_frames(mel)
-        features = self.draft.model.encoder(mel[None, :, :n])
+        encoder = self.draft.model.encoder
+        features = encoder(mel[None, :, :n])
         frames = features.shape[1]
         if n < mel.shape[-1]:
-            full = features.new_zeros(1, mel.shape[-1] // 2, features.shape[-1])
+            full = features.new_zeros(1, mel.shape[-1] // 2 // encoder.pool_positions, features.shape[-1])
             full[:, :frames] = features
             features = full
         return features, frames
@@ -261,7 +269,7 @@ class Drafter:
         tcache = DecoderCache.allocate(self.target.config, 1, device, dtype)
         dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype,
                                        self.draft.backend.draft_cross_dtype(ddec, dtype),
-                                       self.draft.config.max_source_positions // self.cross_pool(dtype))
+                                       self.cross_positions(dtype))
         token = torch.full((1, 1), self.target.tokenizer.eot, device=device)
 
         def target_pass(rows):

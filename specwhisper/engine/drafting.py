@@ -37,7 +37,7 @@ class DraftSide:
         self.pool = d.cross_pool(dtype)
         self.cache = DecoderCache.allocate(d.draft.config, slots, device, dtype,
                                            backend.draft_cross_dtype(d.draft.model.decoder, dtype),
-                                           d.draft.config.max_source_positions // self.pool)
+                                           d.cross_positions(dtype))
         self.t2d, self.t2d_len = d.target_to_draft.to(device), d.target_to_draft_len.to(device)
         self.d2t = d.draft_to_target.to(device)
         self.noise_ids = d.noise_ids.to(device)

@@ -89,7 +89,7 @@ def usable_rows(x: torch.Tensor) -> bool:
 class PackedEncoder:
     """The encoder's weights in the fast path's layout (built from an `Encoder`)."""
 
-    def __init__(self, encoder, int8: bool = False):
+    def __init__(self, encoder, int8: bool = False, pool: int = 1):
         # packed for a whole window's rows (`pack`'s layout hint), whatever window comes first: a
         # draft's shorter windows (its audio only, `Drafter.encode`) reuse them, where packing per
         # frame count had re-packed tiny.en's encoder (75 ms) whenever a window's length changed
@@ -102,6 +102,7 @@ class PackedEncoder:
         self.conv1 = (pack(c1.weight.permute(0, 2, 1).reshape(c1.out_channels, -1), frames), c1.bias.detach())
         self.conv2 = (pack(c2.weight.permute(0, 2, 1).reshape(c2.out_channels, -1), positions), c2.bias.detach())
         self.positions = encoder.embed_positions.weight.detach()
+        self.pool = pool  # the layers run on the means of `pool` adjacent positions (`Whisper.pool_encoder`)
         self.layers = []
         for layer in encoder.layers:
             a = layer.self_attn
@@ -117,15 +118,15 @@ class PackedEncoder:
         self.layer_norm = encoder.layer_norm
 
     def __call__(self, mel: torch.Tensor, layer_blocks) -> torch.Tensor:
-        """mel [B, n_mels, frames] float32 -> features [B, frames // 2, d], one window at a time;
+        """mel [B, n_mels, frames] float32 -> features [B, frames // (2 pool), d], one window at a time;
         layer_blocks(T): each layer's attention block for T positions (`Encoder.layer_blocks`)."""
         return torch.stack([self.window(m, layer_blocks) for m in mel])
 
     def window(self, mel: torch.Tensor, layer_blocks) -> torch.Tensor:
-        """mel [n_mels, frames] -> [frames // 2, d]."""
+        """mel [n_mels, frames] -> [frames // (2 pool), d]."""
         x = GELU_(linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
         x = GELU_(linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
-        x.add_(self.positions[: x.shape[0]])
+        x = pool_rows(x.add_(self.positions[: x.shape[0]]), self.pool)
         for layer, block in zip(self.layers, layer_blocks(x.shape[0])):
             x = self.block(x, layer, block)
         ln = self.layer_norm
@@ -201,6 +202,13 @@ def _linear_add(x: torch.Tensor, residual: torch.Tensor, packed) -> torch.Tensor
     return MKLDNN._linear_pointwise.binary(x, residual, *packed, "add")
 
 
+def pool_rows(x: torch.Tensor, pool: int) -> torch.Tensor:
+    """x [..., T, d] -> [..., T / pool, d]: the mean of each run of `pool` adjacent rows."""
+    if pool == 1:
+        return x
+    return x.unflatten(-2, (x.shape[-2] // pool, pool)).mean(-2)
+
+
 def int8_usable() -> bool:
     """This torch has fbgemm's dynamic int8 linear (x86 builds; deprecated upstream, so checked)."""
     try:
@@ -227,10 +235,10 @@ def parameter_key(*modules) -> tuple:
 def encode(encoder, mel: torch.Tensor) -> torch.Tensor:
     """mel [B, n_mels, frames] -> features [B, frames // 2, d] by the fast path (check `usable`)."""
     int8 = encoder.int8_linears
-    key = (parameter_key(encoder), int8, encoder.attention_block, encoder.local_last)
+    key = (parameter_key(encoder), int8, encoder.attention_block, encoder.local_last, encoder.pool_positions)
     cached = encoder.__dict__.get("_packed_cpu")
     if cached is None or cached[0] != key:
-        cached = (key, PackedEncoder(encoder, int8))
+        cached = (key, PackedEncoder(encoder, int8, encoder.pool_positions))
         encoder.__dict__["_packed_cpu"] = cached
     with torch.no_grad():
         return cached[1](mel, encoder.layer_blocks)
