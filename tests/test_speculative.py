@@ -396,6 +396,13 @@ def test_measured_costs_are_kept_on_disk_per_machine_and_pair(target, drafts, me
     monkeypatch.setattr(draft_mod, "code_digest", code_digest)
     run()  # this code again: read back
     assert len(measured) == 4
+    # a draft whose own encoder runs another way (here: every position) keeps its own costs
+    own = Engine(target, drafts["wrong"])
+    assert not own.drafter.shared_encoder and own.drafter.costs_key("cpu", torch.float32)["draft_encoder"]["pool"] == 2
+    key = own.drafter.costs_key("cpu", torch.float32)
+    own.drafter.draft.model.encoder.pool_positions = 1
+    assert own.drafter.costs_key("cpu", torch.float32) != key
+    assert first.drafter.costs_key("cpu", torch.float32)["draft_encoder"] is None  # the target's encoder
     monkeypatch.setenv("SPECWHISPER_COSTS_DIR", "off")
     shutil.rmtree(folder)
     run()

@@ -250,7 +250,18 @@ class Drafter:
                     capability=torch.backends.cpu.get_cpu_capability(), vector_level=cpu_ops.current_vector_level(),
                     threads=torch.get_num_threads(), dtype=str(dtype), target=models[0], draft=models[1],
                     compact=bool(self.draft.model.decoder.compact), shared_encoder=self.shared_encoder,
-                    head_tokens=self.head_tokens, cross_pool=self.cross_pool(dtype))
+                    head_tokens=self.head_tokens, cross_pool=self.cross_pool(dtype),
+                    native_bf16=cpu_ops.native_bf16(), draft_encoder=self.encoder_arrangement())
+
+    def encoder_arrangement(self) -> dict | None:
+        """How a draft's own encoder runs (None: it shares the target's): the setup cost kept with
+        the costs depends on it, and an engine built another way (SPECWHISPER_NO_BF16, a draft
+        compacted or not) must not read another arrangement's."""
+        if self.shared_encoder:
+            return None
+        enc = self.draft.model.encoder
+        return dict(dtype=str(enc.conv1.weight.dtype), int8=bool(enc.int8_linears), block=enc.attention_block,
+                    local_last=bool(enc.local_last), pool=enc.pool_positions)
 
     @torch.inference_mode()
     def measure_costs(self, device, dtype, position: int = 64, rounds: int = 3) -> dict:
