@@ -212,7 +212,7 @@ class Drafter:
         `specwhisper transcribe --draft` measured them in every process, before its first decision
         (base drafted by base-2l 0.52 s, by tiny.en 1.28 s, on a 2-minute recording whose warm call
         takes 5.6-6.5 s here). Read back, they are where the adaptive k starts; the iterations refine
-        them as before (the first plain pass replaces the plain pass's time). Measured anew when
+        them as before (the first timed plain pass replaces the plain pass's time). Measured anew when
         anything in `costs_key` changes (the checkpoints' files, the CPU, the threads, the
         versions) or the file cannot be read."""
         folder = costs_folder()
@@ -513,20 +513,22 @@ class DraftLength:
     included) beat the plain steps' by MARGIN too; switching back on a draft whose start is not
     cheap, once it has drafted, takes START_MARGIN instead (hysteresis: an estimate near MARGIN
     must not pay an encoder pass to switch on, then off). A plain step is timed only after a plain
-    step: right after a speculative iteration the target's weights are out of the caches (the
-    draft's steps ran in between), so such a step, slower than plain decoding, is not counted and
-    another plain step follows it. Two plain steps every 32 speculative iterations keep the plain
-    rate fresh (every 128 while the measured speculative rate beats it by CLEAR, a verdict the next
-    window's first iterations keep); a window's end leaves the measured speculative rate little
-    weight (NEW_WINDOW_TOKENS), so each window starts from the model and is measured anew; while
-    speculation is off, a k = 1 probe keeps the acceptance fresh and its own rate stands for the
-    measured one (the stretch that switched speculation off no longer decides), after 16 plain steps
-    and then, while probes keep losing, after twice as many each time up to PROBE_MAX, but only
+    step of the same window: right after a speculative iteration the target's weights are out of
+    the caches (the draft's steps ran in between), and a window's first step follows its encoder
+    pass (an engine's first, the calibration's passes too), so such a step, slower than plain
+    decoding, is not counted and another plain step follows it. Two plain steps every 32
+    speculative iterations keep the plain rate fresh (every 128 while the measured speculative
+    rate beats it by CLEAR, a verdict the next window's first iterations keep); a window's end
+    leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts
+    from the model and is measured anew; while speculation is off, a k = 1 probe keeps the
+    acceptance fresh and its own rate stands for the measured one (the stretch that switched
+    speculation off no longer decides), after 16 plain steps and then, while probes keep losing,
+    after twice as many each time up to PROBE_MAX, but only
     where a draft that is always right would pay (so a self draft, or one whose setup outweighs any
     saving, never drafts), and, when a draft's start costs more than CHEAP_SETUP plain passes (its
     own encoder), only in windows whose draft runs already (the engine does not let a probe pay that
-    encoder). The first iteration is a plain step. The estimates live in the engine's drafter, so
-    they carry over between calls.
+    encoder). The first two iterations are plain steps (the first untimed). The estimates live in
+    the engine's drafter, so they carry over between calls.
     """
 
     REFRESH = 16  # plain steps between speculative probes ...
@@ -617,10 +619,13 @@ class DraftLength:
         self.since_refresh = 0  # speculative iterations since the last plain-step refresh
         self.on = False  # speculation is switched on (refresh plain steps and all)
         self.cleared = False  # the last verdict of `clear` from a measured speculative rate
-        self.after_spec = False  # the last iteration drafted: the next plain step runs on cold caches
+        # the next plain step runs on cold caches and is not timed (`update`): after a speculative
+        # iteration, at a window's start, and first of all, right after the calibration's passes
+        self.cold = True
         self.probe_every = self.until_probe = self.REFRESH  # plain steps between probes (backs off)
-        # adaptive: a plain step first, so that from the first speculative iteration on the two
-        # measured rates decide (the model alone kept a self draft on for a window and a half)
+        # adaptive: a timed plain step first (after the untimed cold one), so that from the first
+        # speculative iteration on the two measured rates decide (the model alone kept a self
+        # draft on for a window and a half)
         self.k = fixed if fixed is not None else 0
         self.reach = [0.0] * (MAX_K + 1)  # running count of proposals j reached (the j - 1 before accepted)
         self.hit = [0.0] * (MAX_K + 1)  # ... and of those accepted
@@ -722,6 +727,7 @@ class DraftLength:
         speculative rate keeps its value but drops to NEW_WINDOW_TOKENS of weight: the next
         window's first decisions are the model's (its acceptance and costs are current), and its
         own iterations are measured before the rate decides again."""
+        self.cold = True  # the next window's first step follows its encoder pass
         if self.fixed is None and tokens > 0:
             self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens
             if self.spec is not None and self.spec[0] > self.NEW_WINDOW_TOKENS:
@@ -779,11 +785,17 @@ class DraftLength:
         rows = [a for a in accepted if a >= 0]
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
         if k == 0:
-            if self.after_spec:
+            if self.cold:
                 # the draft's steps have just pushed the target's weights out of the caches; a plain
                 # step right after them is not what plain decoding costs (base held to AVX2: 6.8
-                # against 6.3 ms, which kept tiny.en drafting at 0.94x): time the next one instead
-                self.after_spec = False
+                # against 6.3 ms, which kept tiny.en drafting at 0.94x): time the next one instead.
+                # Nor is a window's first step (after its encoder pass: 3.73 against 3.38 ms for
+                # base on bench/cpu.py's windows, 2 threads of a Zen 4 EPYC), least of all an
+                # engine's first, right after the calibration: its 3.72 ms (4.01 in another run)
+                # replaced the calibrated plain pass and stayed the unit of every cost for the 12
+                # windows that followed, where plain steps took 3.0 ms (2.5), so verify rows and
+                # tiny.en's draft steps read 20-40% cheaper than they were
+                self.cold = False
                 self.k = 0
                 return
             self.plain = self._track(self.plain, tokens, seconds)
@@ -799,7 +811,7 @@ class DraftLength:
                 self.k = 0  # not even a draft that is always right would pay: no probes
             return
         probing = self.probing()
-        self.after_spec = True
+        self.cold = True
         # a probe's own rate decides, at the weight of a measured one (not the stretch that switched
         # speculation off, nor the model alone: its acceptance by position is that stretch's)
         self.spec = (self.MEASURED_TOKENS, seconds * self.MEASURED_TOKENS / tokens) if probing and tokens \
