@@ -483,17 +483,18 @@ def test_a_clear_draft_keeps_its_refresh_cadence_across_windows():
             ks.append(k)
         rule.window_done(sum(min(k, 1) + 1 for k in ks[-20:]))
     plain = [i for i, k in enumerate(ks) if k == 0]
-    assert plain == [0, 1, 130, 131], plain  # two plain steps first: the first, cold, is not timed
+    assert plain == [0, 1, 2, 3, 132, 133], plain  # plain steps first: COLD_STEPS untimed, one timed
     assert rule.clear() and rule.cleared
 
 
 def test_cold_plain_steps_do_not_set_the_unit_of_the_costs():
-    """A window's first step follows its encoder pass, and an engine's first follows the
-    calibration's passes too: on cold caches (base: 3.73 against 3.38 ms a step). The first timed
-    plain pass replaces the calibrated one, and while a draft runs plain steps are rare (a refresh
-    every 32-128 iterations), so timing that step made every cost in plain passes read too cheap
-    for the rest of a run (the rule's plain pass 3.72 ms where steps took 3.0, tiny.en drafting).
-    Here: a cheap, accurate draft; cold steps cost 1.6 passes, warm ones 1.0."""
+    """A window's first steps follow its encoder pass, an engine's first the calibration's passes
+    too: on cold caches (base: 7.38, 3.70, 3.64 ms, then 3.1). The first timed plain pass replaces
+    the calibrated one, and while a draft runs plain steps are rare (a refresh every 32-128
+    iterations), so timing such a step made every cost in plain passes read too cheap for the rest
+    of a run (the rule's plain pass 3.72 ms where steps took 3.0, tiny.en drafting). Here: a
+    cheap, accurate draft; cold steps (a window's first COLD_STEPS, the step after a draft's)
+    cost 1.6 passes, warm ones 1.0."""
     from specwhisper.engine.draft import DraftLength
 
     rule, ks = DraftLength(None), []
@@ -501,10 +502,11 @@ def test_cold_plain_steps_do_not_set_the_unit_of_the_costs():
                    cost_ratio=0.1, setup_seconds=0.0)
     cold = True
     for _ in range(4):  # windows of 25 iterations
-        for _ in range(25):
+        for i in range(25):
             k = rule.k
             if k == 0:
-                rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.6 if cold else 1.0)
+                warm = not cold and i >= rule.COLD_STEPS
+                rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0 if warm else 1.6)
             else:  # every proposal kept
                 rule.update(k, [k], [False], draft_seconds=0.1 * k, verify_seconds=1.0 + 0.2 * k)
             cold = k > 0
@@ -512,7 +514,7 @@ def test_cold_plain_steps_do_not_set_the_unit_of_the_costs():
         rule.window_done(sum(k + 1 for k in ks[-25:]))
         cold = True
     assert rule.plain_pass == 1.0  # the warm step's time, not the cold one's
-    assert ks[:2] == [0, 0] and min(ks[2:]) > 0, ks  # drafting from the third step on
+    assert ks[:4] == [0] * 4 and min(ks[4:]) > 0, ks  # drafting after COLD_STEPS + 1 plain steps
     assert abs(rule.cost_ratio - 0.1) < 1e-9 and abs(rule.verify_ratio[3] - 1.4) < 0.01
 
 
@@ -531,11 +533,11 @@ def test_draft_length_rule():
     # a plain step first, then a refresh (two plain steps) after 128 speculative iterations: the
     # measured rate beats plain steps by far more than CLEAR; every EXPLORE-th iteration drafts one
     # fewer (one more would pass MAX_K)
-    assert [i for i, k in enumerate(ks) if k == 0] == [0, 1, 130, 131], ks
-    assert set(ks[1:]) - {0} == {3, 5, 7, 8} and ks[-1] == 8 and ks[6::8][:15] == [7] * 15, ks
+    assert [i for i, k in enumerate(ks) if k == 0] == [0, 1, 2, 3, 132, 133], ks
+    assert set(ks[1:]) - {0} == {3, 5, 7, 8} and ks[-1] == 8 and ks[8::8][:15] == [7] * 15, ks
     near = DraftLength(None)  # 1.2x plain steps, under CLEAR: a refresh every 32 iterations
     ks = [step(near, True, 0.8) for _ in range(80)]
-    assert [i for i, k in enumerate(ks) if k == 0] == [0, 1, 34, 35, 68, 69], ks
+    assert [i for i, k in enumerate(ks) if k == 0] == [0, 1, 2, 3, 36, 37, 70, 71], ks
     for _ in range(200):  # nothing accepted any more: speculation loses to plain steps
         step(rule, False, 0.05)
         if rule.k == 0 and not rule.pays():
@@ -569,8 +571,8 @@ def test_draft_length_rule():
     assert cheap.setup == 40.0
     for _ in range(30):
         cheap.window_done(300)
-    # two plain steps first (the first, cold, untimed), then drafting
-    assert cheap.best()[1] > cheap.MARGIN and all(k > 0 for k in [step(cheap, True, 0.05) for _ in range(6)][2:])
+    # plain steps first (COLD_STEPS untimed, one timed), then drafting
+    assert cheap.best()[1] > cheap.MARGIN and all(k > 0 for k in [step(cheap, True, 0.05) for _ in range(8)][4:])
 
     # calibrated costs decide before any drafting: a self draft (c = 1) never drafts, not even a probe
     verify = [1.0] + [1.0 + 0.2 * (r - 1) for r in range(1, 10)]  # a CPU: each row adds 20%
@@ -638,7 +640,8 @@ def test_draft_length_rule():
     first.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.1, 1.13, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
                     cost_ratio=0.25, setup_seconds=0.0)
     assert first.k == 0
-    first.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.6)  # cold: not timed
+    for _ in range(first.COLD_STEPS):  # a window's first steps run cold: not timed
+        first.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.6)
     assert first.k == 0 and first.plain is None
     first.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
     k = first.k
@@ -657,7 +660,7 @@ def test_draft_length_rule():
         rule.window_tokens = 300.0  # long windows: a setup of 18 passes still leaves drafting worth it
         rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0, 1.11, 1.14, 1.22, 1.38, 1.4, 1.56, 1.65, 1.7],
                        cost_ratio=0.28, setup_seconds=setup)
-        for _ in range(2):  # the first plain step, cold, is not timed
+        for _ in range(rule.COLD_STEPS + 1):  # a window's first plain steps, cold, are not timed
             rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
         on = []
         for i in range(40):
@@ -689,7 +692,7 @@ def test_draft_length_rule():
         rule.window_tokens = 80.0
         rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.1 + 0.1 * r for r in range(8)],
                        cost_ratio=cost_ratio, setup_seconds=20.0)
-        rule.cold = False  # its first plain step (cold caches, not timed) behind it
+        rule.window_steps = rule.COLD_STEPS  # its window's first plain steps (cold, not timed) behind it
         return rule
     near, clear = hovering(0.22), hovering(0.1)
     assert near.MARGIN < near.best()[1] < near.START_MARGIN < clear.best()[1], (near.best(), clear.best())
@@ -740,7 +743,8 @@ def test_draft_length_rule():
     assert step(stale, True, 0.28) == 0 and stale.k == 0
     stale.window_done(100)
     assert stale.spec == (stale.NEW_WINDOW_TOKENS, 1.5 * stale.NEW_WINDOW_TOKENS) and stale.pays()
-    assert step(stale, True, 0.28) == 0 and stale.k == 0  # the window's first step runs cold: untimed
+    for _ in range(stale.COLD_STEPS):  # the window's first steps run cold: untimed
+        assert step(stale, True, 0.28) == 0 and stale.k == 0
     assert step(stale, True, 0.28) == 0 and stale.k > 0
     ks = [step(stale, False, 0.28) for _ in range(8)]  # the new window's iterations lose: off again
     assert ks[0] > 0 and ks[-1] == 0, ks
@@ -840,7 +844,8 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
         control.end(Progress(done=[done], n_tokens=[20], accepted=[-1], draft_len=[20]))
         return k
 
-    assert iteration(False) == 0 and rule.k == 0  # the first plain step runs cold: not timed
+    for _ in range(rule.COLD_STEPS):  # the window's first plain steps run cold: not timed
+        assert iteration(False) == 0 and rule.k == 0
     assert iteration(False) == 0 and rule.paid and rule.k > 0  # a window whose draft had started
     assert iteration(False) > 0 and rule.paid
     iteration(True)  # the window ends: the next decision counts the next window's setup

@@ -515,8 +515,8 @@ class DraftLength:
     must not pay an encoder pass to switch on, then off). A plain step is timed only after a plain
     step of the same window: right after a speculative iteration the target's weights are out of
     the caches (the draft's steps ran in between), and a window's first step follows its encoder
-    pass (an engine's first, the calibration's passes too), so such a step, slower than plain
-    decoding, is not counted and another plain step follows it. Two plain steps every 32
+    pass (its first COLD_STEPS; an engine's first, the calibration's passes too), so such a step,
+    slower than plain decoding, is not counted and another plain step follows it. Two plain steps every 32
     speculative iterations keep the plain rate fresh (every 128 while the measured speculative
     rate beats it by CLEAR, a verdict the next window's first iterations keep); a window's end
     leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts
@@ -527,8 +527,8 @@ class DraftLength:
     where a draft that is always right would pay (so a self draft, or one whose setup outweighs any
     saving, never drafts), and, when a draft's start costs more than CHEAP_SETUP plain passes (its
     own encoder), only in windows whose draft runs already (the engine does not let a probe pay that
-    encoder). The first two iterations are plain steps (the first untimed). The estimates live in
-    the engine's drafter, so they carry over between calls.
+    encoder). The first iterations are plain steps (COLD_STEPS untimed, then one timed). The
+    estimates live in the engine's drafter, so they carry over between calls.
     """
 
     REFRESH = 16  # plain steps between speculative probes ...
@@ -579,6 +579,15 @@ class DraftLength:
     # Only for a draft whose start is cheap (`setup_is_cheap`): tiny.en's own encoder pass held to
     # AVX2 (18 plain passes a window) made its trial cost more than it won (0.96-0.99x against 0.97x)
     TRIAL = 4
+    # a window's first iterations follow its encoder pass, which has evicted the decoder's weights
+    # from the caches: plain steps there are not timed. base on bench/cpu.py's windows (2 threads of
+    # a Zen 4 EPYC, ms a step, from the first on): an engine's first window, right after the
+    # calibration's passes, 7.38, 3.70, 3.64, then 3.1; later windows 3.47-3.80, 3.14-3.66,
+    # 3.09-3.35, then 3.1. The first timed plain pass replaces the calibrated one and, while a
+    # draft runs, stays the unit of every cost for long (a refresh every 32-128 iterations): timed
+    # at an engine's first step it was 3.72 ms (4.01 in another run) for 12 windows whose plain
+    # steps took 3.0 (2.5), so verify rows and tiny.en's draft steps read 20-40% cheaper
+    COLD_STEPS = 3
     # extra verify cost v(r) - 1 below which a pass's rows count as free (`_new_verify_ratio`)
     FLAT = 0.02
     # while on, every EXPLORE-th speculative iteration drafts one more token than the best k, or one
@@ -619,11 +628,10 @@ class DraftLength:
         self.since_refresh = 0  # speculative iterations since the last plain-step refresh
         self.on = False  # speculation is switched on (refresh plain steps and all)
         self.cleared = False  # the last verdict of `clear` from a measured speculative rate
-        # the next plain step runs on cold caches and is not timed (`update`): after a speculative
-        # iteration, at a window's start, and first of all, right after the calibration's passes
-        self.cold = True
+        self.cold = False  # the last iteration drafted: the next plain step runs on cold caches
+        self.window_steps = 0  # iterations since a window started (`window_done`; COLD_STEPS)
         self.probe_every = self.until_probe = self.REFRESH  # plain steps between probes (backs off)
-        # adaptive: a timed plain step first (after the untimed cold one), so that from the first
+        # adaptive: a timed plain step first (after the untimed cold ones), so that from the first
         # speculative iteration on the two measured rates decide (the model alone kept a self
         # draft on for a window and a half)
         self.k = fixed if fixed is not None else 0
@@ -727,7 +735,7 @@ class DraftLength:
         speculative rate keeps its value but drops to NEW_WINDOW_TOKENS of weight: the next
         window's first decisions are the model's (its acceptance and costs are current), and its
         own iterations are measured before the rate decides again."""
-        self.cold = True  # the next window's first step follows its encoder pass
+        self.window_steps = 0  # the next window's first steps follow its encoder pass (COLD_STEPS)
         if self.fixed is None and tokens > 0:
             self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens
             if self.spec is not None and self.spec[0] > self.NEW_WINDOW_TOKENS:
@@ -784,17 +792,13 @@ class DraftLength:
             return
         rows = [a for a in accepted if a >= 0]
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
+        self.window_steps += 1
         if k == 0:
-            if self.cold:
+            if self.cold or self.window_steps <= self.COLD_STEPS:
                 # the draft's steps have just pushed the target's weights out of the caches; a plain
                 # step right after them is not what plain decoding costs (base held to AVX2: 6.8
                 # against 6.3 ms, which kept tiny.en drafting at 0.94x): time the next one instead.
-                # Nor is a window's first step (after its encoder pass: 3.73 against 3.38 ms for
-                # base on bench/cpu.py's windows, 2 threads of a Zen 4 EPYC), least of all an
-                # engine's first, right after the calibration: its 3.72 ms (4.01 in another run)
-                # replaced the calibrated plain pass and stayed the unit of every cost for the 12
-                # windows that followed, where plain steps took 3.0 ms (2.5), so verify rows and
-                # tiny.en's draft steps read 20-40% cheaper than they were
+                # Nor a window's first steps (COLD_STEPS)
                 self.cold = False
                 self.k = 0
                 return
