@@ -185,12 +185,11 @@ class Drafter:
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A draft with its own encoder: (features [1, T/2p, d] of one window's mel [n_mels, T],
-        p its encoder's pooling (`Whisper.pool_encoder`),
-        the frames computed), its encoder run over the window's audio only (`content_frames`),
-        zero features after it (`Decoder.fill_cross(frames=...)` projects them once). A
-        7 s clip's 30 s window then costs a quarter of the pass, the last 23 s window of a
-        recording four fifths. The proposals change a little (its attention blocks at the end of
+        """A draft with its own encoder: (features [1, T/2p, d] of one window's mel [n_mels, T], p
+        its encoder's pooling (`Whisper.pool_encoder`), the positions computed), its encoder run
+        over the window's audio only (`content_frames`), zero features after it
+        (`Decoder.fill_cross(frames=...)` projects them once). A 7 s clip's 30 s window then costs
+        a quarter of the pass, the last 23 s window of a recording four fifths. The proposals change a little (its attention blocks at the end of
         the audio no longer see padding; the padding positions' keys are zero), the output does
         not: the target verifies every proposal. tiny.en drafting base, k = 3, whole calls
         alternated in one process (6 rounds, bench/cpu.py's windows), against the whole-window
@@ -512,23 +511,23 @@ class DraftLength:
     MEASURED_TOKENS tokens), the speculative iterations' emitted tokens per second (setup
     included) beat the plain steps' by MARGIN too; switching back on a draft whose start is not
     cheap, once it has drafted, takes START_MARGIN instead (hysteresis: an estimate near MARGIN
-    must not pay an encoder pass to switch on, then off). A plain step is timed only after a plain
-    step of the same window: right after a speculative iteration the target's weights are out of
-    the caches (the draft's steps ran in between), and a window's first step follows its encoder
-    pass (its first COLD_STEPS; an engine's first, the calibration's passes too), so such a step,
-    slower than plain decoding, is not counted and another plain step follows it. Two plain steps every 32
-    speculative iterations keep the plain rate fresh (every 128 while the measured speculative
-    rate beats it by CLEAR, a verdict the next window's first iterations keep); a window's end
-    leaves the measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts
-    from the model and is measured anew; while speculation is off, a k = 1 probe keeps the
-    acceptance fresh and its own rate stands for the measured one (the stretch that switched
-    speculation off no longer decides), after 16 plain steps and then, while probes keep losing,
-    after twice as many each time up to PROBE_MAX, but only
-    where a draft that is always right would pay (so a self draft, or one whose setup outweighs any
-    saving, never drafts), and, when a draft's start costs more than CHEAP_SETUP plain passes (its
-    own encoder), only in windows whose draft runs already (the engine does not let a probe pay that
-    encoder). The first iterations are plain steps (COLD_STEPS untimed, then one timed). The
-    estimates live in the engine's drafter, so they carry over between calls.
+    must not pay an encoder pass to switch on, then off). A plain step is timed only on warm
+    caches: right after a speculative iteration the target's weights are out of the caches (the
+    draft's steps ran in between), and a window's first COLD_STEPS steps follow its encoder pass
+    (an engine's first, the calibration's passes too), so such a step, slower than plain decoding,
+    is not counted and another plain step follows it. Two plain steps every 32 speculative
+    iterations keep the plain rate fresh (every 128 while the measured speculative rate beats it
+    by CLEAR, a verdict the next window's first iterations keep); a window's end leaves the
+    measured speculative rate little weight (NEW_WINDOW_TOKENS), so each window starts from the
+    model and is measured anew; while speculation is off, a k = 1 probe keeps the acceptance fresh
+    and its own rate stands for the measured one (the stretch that switched speculation off no
+    longer decides), after 16 plain steps and then, while probes keep losing, after twice as many
+    each time up to PROBE_MAX, but only where a draft that is always right would pay (so a self
+    draft, or one whose setup outweighs any saving, never drafts), and, when a draft's start costs
+    more than CHEAP_SETUP plain passes (its own encoder), only in windows whose draft runs already
+    (the engine does not let a probe pay that encoder). The first iterations are plain steps
+    (COLD_STEPS untimed, then one timed). The estimates live in the engine's drafter, so they
+    carry over between calls.
     """
 
     REFRESH = 16  # plain steps between speculative probes ...

@@ -142,7 +142,8 @@ class Encoder(nn.Module):
         native bfloat16 arithmetic keeps a float32 encoder: 7x faster here)."""
         out = self.features_dtype or self.conv1.weight.dtype
         mel = mel.to(self.conv1.weight.dtype)
-        if (mel.shape[-1] // 2) % self.pool_positions:
+        positions = (mel.shape[-1] + 1) // 2  # conv2's outputs (stride 2)
+        if positions % self.pool_positions:
             raise ValueError(f"an encoder pooling {self.pool_positions} positions needs a multiple of "
                              f"{2 * self.pool_positions} mel frames, got {mel.shape[-1]}")
         if self.fast_cpu and encoder_cpu.usable(self, mel):
@@ -150,7 +151,8 @@ class Encoder(nn.Module):
         return self.reference(mel).to(out)
 
     def reference(self, mel: torch.Tensor) -> torch.Tensor:
-        """The spec: mel [B, n_mels, frames] -> features [B, frames // 2, d] in the weights' dtype."""
+        """The spec: mel [B, n_mels, frames] -> features [B, frames / (2 pool_positions), d] in the
+        weights' dtype."""
         x = F.gelu(self.conv2(F.gelu(self.conv1(mel)))).transpose(1, 2)
         x = encoder_cpu.pool_rows(x + self.embed_positions.weight[: x.shape[1]], self.pool_positions)
         for layer, block in zip(self.layers, self.layer_blocks(x.shape[1])):
