@@ -40,8 +40,8 @@ A draft's own encoder may run its four projections per layer and conv2 in int8 i
 its AVX-512 VNNI ones), oneDNN's a fifth to a third faster again, for a CPU
 without bfloat16 arithmetic. A draft only proposes, so the
 verified output stays exact; a target's encoder never takes it. Such an encoder's layers (but the
-last, unless `local_last`) may also attend within 3-second blocks (`Whisper.local_encoder`), on
-either path.
+last, unless `local_last`) may also attend within 3-second blocks (`Whisper.local_encoder`), and
+run on the means of adjacent positions (`Whisper.pool_encoder`), on either path.
 """
 from __future__ import annotations
 
