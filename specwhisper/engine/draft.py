@@ -17,6 +17,7 @@ import torch
 from ..constants import MAX_ADAPTIVE_K as MAX_K
 from ..backends import cpu_ops
 from ..backends.ops import csrc_dir, machine_cache
+from ..model.encoder_cpu import pool_rows
 from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
 from .vocab import VocabMap, padded_spellings
@@ -189,11 +190,11 @@ class Drafter:
         its encoder's pooling (`Whisper.pool_encoder`), the positions computed), its encoder run
         over the window's audio only (`content_frames`), zero features after it
         (`Decoder.fill_cross(frames=...)` projects them once). A 7 s clip's 30 s window then costs
-        a quarter of the pass, the last 23 s window of a recording four fifths. The proposals change a little (its attention blocks at the end of
-        the audio no longer see padding; the padding positions' keys are zero), the output does
-        not: the target verifies every proposal. tiny.en drafting base, k = 3, whole calls
-        alternated in one process (6 rounds, bench/cpu.py's windows), against the whole-window
-        pass: held to AVX2, three 23 s windows 0.948x -> 0.990x of target-only, their first 7 s
+        a quarter of the pass, the last 23 s window of a recording four fifths. The proposals
+        change a little (its attention blocks at the end of the audio no longer see padding; the
+        padding positions' keys are zero), the output does not: the target verifies every
+        proposal. tiny.en drafting base, k = 3, whole calls alternated in one process (6 rounds,
+        bench/cpu.py's windows), against the whole-window pass: held to AVX2, three 23 s windows 0.948x -> 0.990x of target-only, their first 7 s
         0.826x -> 0.924x; natively 0.975x -> 0.958x (noise: a 20% shorter pass of ≈ 60 ms) and
         0.903x -> 0.952x; acceptance unchanged (936/1176 -> 942/1158, 318/324 -> 312/342)."""
         n = content_frames(mel)
@@ -409,8 +410,7 @@ def pool_positions(kv: torch.Tensor, pool: int) -> torch.Tensor:
     A draft with its own encoder (tiny.en) keeps every position (`Drafter.cross_pool`)."""
     if pool == 1:
         return kv
-    L, B, H, T, D = kv.shape
-    return kv.float().view(L, B, H, T // pool, pool, D).mean(dim=4)
+    return pool_rows(kv.float(), pool)  # positions are the second-to-last dimension
 
 
 def compact_draft_head(model, two_bit: bool = True) -> Q4Head | None:
