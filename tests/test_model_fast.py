@@ -507,6 +507,43 @@ def test_keeping_the_last_positions_gives_their_bits_and_every_cache_entry(head6
         dec.hidden(tokens, pos, fresh_cache(model, features, torch.float32), keep=0)
 
 
+@pytest.mark.parametrize("form", ["float32", "half", "int8", "compact"])
+def test_lean_step_gives_the_general_paths_bits(head64, form):
+    """The C++ step's lean path (`decoder_layers_lean`: raw pointers, the biases, int8 scales, gelu
+    and residual adds in the linears' own sections) gives the bits of its general path (tensor ops,
+    those after each linear on the calling thread): hidden states and both caches, for the target's
+    forms (float32, float16-valued projections) and the int8 drafts', 1..9 rows and a prompt's 20
+    with the last positions kept, two rows at different positions (one into the scratch slot), at
+    every vector level. A compact bfloat16 decoder (bfloat16 biases) takes the general path."""
+    with torch.inference_mode(False):  # float16_valued changes the weights in place
+        model, features, gen = decoder_setup(head64, torch.float32, batch=2)
+    if form == "half":
+        float16_valued(model.model)
+        assert model.model.half_projections()
+    elif form == "compact":
+        model.model.compact_decoder()
+    elif form == "int8":
+        model.model.int8_projections()
+    dec, calls = model.model.decoder, cpu_ops._ops().lean_step_calls
+    prompt = torch.randint(0, 50000, (2, 6), generator=gen)
+    for level in range(cpu_ops._ops().vector_level() + 1):
+        with cpu_ops.vector_level(level):
+            for T, keep in ((1, None), (2, None), (5, None), (9, None), (20, 3)):
+                tokens = torch.randint(0, 50000, (2, T), generator=gen)
+                pos = torch.stack([torch.arange(6, 6 + T), torch.arange(440, 440 + T).clamp(max=448)])
+                out = []
+                for lean in (True, False):
+                    with cpu_ops.lean_step(lean):
+                        before = calls()
+                        cache = fresh_cache(model, features, torch.float32)
+                        dec.hidden(prompt, torch.arange(6).expand(2, 6), cache)
+                        out.append((dec.hidden(tokens, pos, cache, kv_len=450, keep=keep), cache, calls() - before))
+                (a, ca, ran), (b, cb, ran_general) = out
+                assert torch.equal(a, b), (level, T)
+                assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers())), (level, T)
+                assert ran_general == 0 and (ran == 2) == (form != "compact") and ran in (0, 2), (form, ran)
+
+
 def float16_valued(whisper) -> None:
     """Round a model's decoder projections to float16 values (what a float16 checkpoint holds,
     kept in float32), then fuse its q/k/v."""

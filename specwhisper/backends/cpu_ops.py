@@ -331,6 +331,17 @@ def vector_level(level: int):
 
 
 @contextlib.contextmanager
+def lean_step(enabled: bool):
+    """Inside this block a decoder step takes (True) or skips (False) its lean C++ path
+    (`decoder_layers_lean`: float32 rows on raw pointers, the same bits): tests compare the two."""
+    before = _ops().set_lean_step(enabled)
+    try:
+        yield
+    finally:
+        _ops().set_lean_step(before)
+
+
+@contextlib.contextmanager
 def without_vnni():
     """Inside this block the AVX-512 level computes the screen's products without AVX512-VNNI
     (AVX512-BW multiply-adds, the same bits): tests run that path on a CPU with VNNI."""
