@@ -196,6 +196,7 @@ def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, re
     assert draft.encoder.conv1.weight.dtype == torch.bfloat16 and draft.decoder.native_bf16
     assert draft.encoder.attention_block == 150 and not draft.encoder.local_last  # last layer global
     assert draft.encoder.pool_positions == 2  # its layers on one position per 40 ms (`pool_encoder`)
+    assert not draft.decoder.int8_cross  # its cross K/V in bfloat16 too
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == reference[:2]
     assert sum(o.stats.draft_passes for o in out) > 0
@@ -205,8 +206,9 @@ def test_a_draft_encoder_in_bfloat16_keeps_output_exact(target, drafts, mels, re
 
 def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, reference, monkeypatch):
     """On a CPU without bfloat16 arithmetic (forced here) a compact draft with its own encoder runs
-    that encoder's projections in int8 (fbgemm): other proposals, the same output; never the
-    target's encoder, nor a shared-encoder draft's."""
+    that encoder's projections in int8 (fbgemm), and its decoder's cross K/V projections
+    (`int8_cross`: near the float ones): other proposals, the same output; never the target's
+    encoder or cross K/V, nor a shared-encoder draft's."""
     from specwhisper.backends import cpu_ops
     from specwhisper.model import encoder_cpu
 
@@ -219,13 +221,24 @@ def test_a_draft_encoder_in_int8_keeps_output_exact(target, drafts, mels, refere
     assert draft.encoder.attention_block == 150  # and attention within 3 s blocks (`local_encoder`),
     assert draft.encoder.local_last  # the last layer's too with int8 projections
     assert draft.encoder.pool_positions == 2 and engine.drafter.cross_positions(torch.float32) == 750
+    assert draft.decoder.int8_cross and not engine.target.model.decoder.int8_cross
+    features, _ = engine.drafter.encode(mels[0])
+    caches = [DecoderCache.allocate(engine.drafter.draft.config, 1, "cpu", torch.float32, torch.float32, 750)
+              for _ in range(2)]
+    for cache, int8 in zip(caches, (True, False)):
+        draft.decoder.int8_cross = int8
+        draft.decoder.fill_cross(cache, features)
+    for a, b in ((caches[0].cross_k, caches[1].cross_k), (caches[0].cross_v, caches[1].cross_v)):
+        assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * b.abs().max()
     assert not engine.target.model.encoder.int8_linears
     assert engine.target.model.encoder.attention_block is None
     assert engine.target.model.encoder.pool_positions == 1
     out = engine.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=2)
     assert [o.tokens for o in out] == reference[:2]
     assert sum(o.stats.draft_passes for o in out) > 0
-    shared = Engine(target, drafts["shared"]).drafter.draft.model.encoder
+    shared = Engine(target, drafts["shared"]).drafter.draft.model
+    assert not shared.decoder.int8_cross
+    shared = shared.encoder
     assert not shared.int8_linears and shared.attention_block is None and shared.pool_positions == 1
 
 

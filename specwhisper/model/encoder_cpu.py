@@ -191,6 +191,11 @@ def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
             torch.backends.quantized.engine = before
 
 
+def int8_pack(weight: torch.Tensor, bias: torch.Tensor):
+    """`linear`'s int8 weights for weight [out, in] and bias [out] (a draft's products only)."""
+    return _pack_int8(weight, bias, 0)
+
+
 def linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [T, in] @ weight.T + bias, weight in oneDNN's layout (or fbgemm's int8 one)."""
     if not isinstance(packed, tuple):
