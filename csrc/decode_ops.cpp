@@ -2615,11 +2615,6 @@ void Epilogue::apply(float* acc, int64_t M, int64_t N, int64_t n0, int64_t n1, b
 }
 
 // ------------------------------------------------------------------ whole decoder blocks
-// All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
-// the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
-// step (≈ 16 ops a layer). params: 18 tensors per layer, in the order of `layer_params` in
-// model/whisper.py. Caches: [n_layers, B, H, S, D] views.
-
 // Whether decoder_layers runs decoder_layers_lean where it applies (`set_lean_step`: the two
 // compared in one process; the same bits), and how many calls it has run (tests: that it applies).
 bool g_lean_step = true;
@@ -2792,6 +2787,11 @@ at::Tensor decoder_layers_lean(const at::Tensor& x_in, at::TensorList params, co
   return xbuf[cur].view({-1}).narrow(0, 0, B * Tk_last * d).view({B, Tk_last, d});
 }
 
+// All decoder layers of one step in one call (spec: specwhisper/model/whisper.py DecoderLayer.forward_rows,
+// the same ops in the same order, so the same bits), sparing the per-op Python overhead of a
+// step (≈ 16 ops a layer): decoder_layers_lean where it applies, else the tensor ops below.
+// params: 18 tensors per layer, in the order of `layer_params` in model/whisper.py. Caches:
+// [n_layers, B, H, S, D] views.
 at::Tensor decoder_layers(const at::Tensor& x_in, at::TensorList params, const at::Tensor& self_k,
                           const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v,
                           const at::Tensor& write_pos, const at::Tensor& n_self, const at::Tensor& n_cross,

@@ -479,15 +479,7 @@ def test_keeping_the_last_positions_gives_their_bits_and_every_cache_entry(head6
     positions and the same caches, for the target's forms (float32, float16-valued projections) and
     the drafts' (compact: bfloat16; int8), rows at different positions, the many-row paths (40
     rows) against a few; at every vector level. keep >= T is the whole pass; keep < 1 is refused."""
-    with torch.inference_mode(False):  # float16_valued changes the weights in place
-        model, features, gen = decoder_setup(head64, torch.float32, batch=2)
-    if form == "half":
-        float16_valued(model.model)
-        assert model.model.half_projections()
-    elif form == "compact":
-        model.model.compact_decoder()
-    elif form == "int8":
-        model.model.int8_projections()
+    model, features, gen = decoder_in_form(head64, form)
     dec = model.model.decoder
     tokens = torch.randint(0, 50000, (2, 20), generator=gen)
     pos = torch.stack([torch.arange(20), torch.arange(7, 27)])
@@ -515,15 +507,7 @@ def test_lean_step_gives_the_general_paths_bits(head64, form):
     forms (float32, float16-valued projections) and the int8 drafts', 1..9 rows and a prompt's 20
     with the last positions kept, two rows at different positions (one into the scratch slot), at
     every vector level. A compact bfloat16 decoder (bfloat16 biases) takes the general path."""
-    with torch.inference_mode(False):  # float16_valued changes the weights in place
-        model, features, gen = decoder_setup(head64, torch.float32, batch=2)
-    if form == "half":
-        float16_valued(model.model)
-        assert model.model.half_projections()
-    elif form == "compact":
-        model.model.compact_decoder()
-    elif form == "int8":
-        model.model.int8_projections()
+    model, features, gen = decoder_in_form(head64, form)
     dec, calls = model.model.decoder, cpu_ops._ops().lean_step_calls
     prompt = torch.randint(0, 50000, (2, 6), generator=gen)
     for level in range(cpu_ops._ops().vector_level() + 1):
@@ -542,6 +526,21 @@ def test_lean_step_gives_the_general_paths_bits(head64, form):
                 assert torch.equal(a, b), (level, T)
                 assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers())), (level, T)
                 assert ran_general == 0 and (ran == 2) == (form != "compact") and ran in (0, 2), (form, ran)
+
+
+def decoder_in_form(folder, form: str):
+    """decoder_setup (float32, 2 rows) with the decoder's projections in `form`: float32, half
+    (float16 values), compact (bfloat16) or int8."""
+    with torch.inference_mode(False):  # float16_valued changes the weights in place
+        model, features, gen = decoder_setup(folder, torch.float32, batch=2)
+    if form == "half":
+        float16_valued(model.model)
+        assert model.model.half_projections()
+    elif form == "compact":
+        model.model.compact_decoder()
+    elif form == "int8":
+        model.model.int8_projections()
+    return model, features, gen
 
 
 def float16_valued(whisper) -> None:
