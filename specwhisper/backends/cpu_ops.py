@@ -228,12 +228,13 @@ def attention(q, k_cache, v_cache, n_keys, scale):
     return attention_reference(q, k_cache, v_cache, n_keys, scale)
 
 
-def decoder_step(decoder, tokens, input_pos, cache, kv_len: int, keep: int = 0):
+def decoder_step(decoder, tokens, input_pos, cache, kv_len: int, keep: int = 0, check: bool = True):
     """`decoder.hidden(tokens, input_pos, cache, kv_len, keep)` in one C++ call: the embeddings, every
     layer (`model.whisper.DecoderLayer.forward_rows`'s ops in its order) and the last norm, with the
     same bits (callers check `active` first). keep in 1..T-1: the last layer runs past its key/value
-    projections for the last `keep` positions only, whose hidden states are returned [B, keep, d]."""
-    return _ops().decoder_step(tokens, input_pos, *_step_args(decoder, cache, kv_len), keep)
+    projections for the last `keep` positions only, whose hidden states are returned [B, keep, d].
+    `check`: `Decoder.layer_params`'s."""
+    return _ops().decoder_step(tokens, input_pos, *_step_args(decoder, cache, kv_len, check), keep)
 
 
 def _step_args(decoder, cache, kv_len: int, check: bool = True) -> tuple:

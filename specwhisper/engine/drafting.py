@@ -110,14 +110,15 @@ class DraftSide:
         dn = st.dn[:B]
         src = self.uncached_positions(B, width)  # [B, width]
         feed = st.dtokens[:B].gather(1, src)
-        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1)
+        # the draft's weights as its windows' starts checked them (`Decoder.layer_params`)
+        hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1, check=False)
         raws = []
         for step in range(k):
             x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
             raws.append(x)
             if step + 1 < k:
                 pos = (dn + step)[:, None]
-                hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len)
+                hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len, check=False)
         st.draft_passes[:B] += k * st.draft_on[:B].long()
         raw = torch.stack(raws, dim=1)  # [B, k] draft ids
         st.raw[:B, :k] = raw
@@ -160,7 +161,7 @@ class DraftSide:
         ddec = self.drafter.draft.model.decoder
         dn, dc = st.dn[:B], st.dcached[:B]
         src = self.uncached_positions(B, self.uncached_width(B))
-        ddec.hidden(st.dtokens[:B].gather(1, src), src, self.view(B), keep=1)  # only the cache is wanted
+        ddec.hidden(st.dtokens[:B].gather(1, src), src, self.view(B), keep=1, check=False)  # only the cache is wanted
         st.dcached[:B] = torch.maximum(dn - 1, dc)
         st.draft_passes[:B] += st.draft_on[:B].long()  # rows whose draft runs
         self.synced = True

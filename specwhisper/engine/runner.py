@@ -362,7 +362,7 @@ class Runner:
         pending = self.state.tokens[:B].gather(1, last)  # [B, 1]
         feed = pending if k == 0 else torch.cat([pending, proposals.clamp(min=0)], dim=1)
         pos = last if k == 0 else last + self.slot_ids[:k + 1]
-        hidden = dec.hidden(feed, pos, cache, kv_len=kv_len)
+        hidden = dec.hidden(feed, pos, cache, kv_len=kv_len, check=False)  # checked at the windows' start
         choice, logits = self.choose(hidden, slots, last[:, 0], modes, proposals)  # [B, k+1]
         if logits is None and self.trim and self.fused_greedy and cpu_ops.active(choice):
             # greedy rows (the timestamp rules' too): the rest below in one C++ call, the same state
