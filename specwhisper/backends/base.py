@@ -57,9 +57,10 @@ class Backend:
         """Compact a draft model: its decoder's projections in bfloat16, read as int8 copies by its
         C++ step, and, for a draft with its own encoder, its encoder in bfloat16 on a CPU with
         AMX (`cpu_ops.bf16_draft_encoder`), else its projections in int8 (`model.whisper.Whisper.compact_*`,
-        `int8_encoder`: the decoder's cross K/V projections too), its layers attending within 3-second blocks (`local_encoder`; the last
-        layer too with int8 projections, where that pass costs most) over one position per 40 ms
-        (`pool_encoder`). A draft only proposes: the output stays exact."""
+        `int8_encoder`: the decoder's cross K/V projections too), its layers attending within
+        3-second blocks (`local_encoder`; the last layer too with int8 projections, where that pass
+        costs most) over one position per 40 ms (`pool_encoder`). A draft only proposes: the output
+        stays exact."""
         model.compact_decoder()
         model.int8_projections()  # what its C++ step reads: a quarter of float32's bytes
         if own_encoder:  # its own encoder pass: the largest part of its cost
