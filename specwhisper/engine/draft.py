@@ -194,9 +194,10 @@ class Drafter:
         change a little (its attention blocks at the end of the audio no longer see padding; the
         padding positions' keys are zero), the output does not: the target verifies every
         proposal. tiny.en drafting base, k = 3, whole calls alternated in one process (6 rounds,
-        bench/cpu.py's windows), against the whole-window pass: held to AVX2, three 23 s windows 0.948x -> 0.990x of target-only, their first 7 s
-        0.826x -> 0.924x; natively 0.975x -> 0.958x (noise: a 20% shorter pass of ≈ 60 ms) and
-        0.903x -> 0.952x; acceptance unchanged (936/1176 -> 942/1158, 318/324 -> 312/342)."""
+        bench/cpu.py's windows), against the whole-window pass: held to AVX2, three 23 s windows
+        0.948x -> 0.990x of target-only, their first 7 s 0.826x -> 0.924x; natively 0.975x ->
+        0.958x (noise: a 20% shorter pass of ≈ 60 ms) and 0.903x -> 0.952x; acceptance unchanged
+        (936/1176 -> 942/1158, 318/324 -> 312/342)."""
         n = content_frames(mel)
         encoder = self.draft.model.encoder
         features = encoder(mel[None, :, :n])

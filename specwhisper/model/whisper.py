@@ -365,29 +365,25 @@ class Decoder(nn.Module):
     def cross_int8(self, i: int):
         """Layer i's cross-attention K and V projections as one int8 product (`encoder_cpu`'s
         dynamic int8 linear), packed once and kept until a weight changes (`int8_cross`)."""
-        attn = self.layers[i].encoder_attn
-        k, v = attn.k_proj, attn.v_proj
-        key = encoder_cpu.parameter_key(k, v)
-        kept = self.__dict__.setdefault("_cross_int8", {}).get(i)
-        if kept is None or kept[0] != key:
-            weight = torch.cat([k.weight, v.weight]).detach().float()
-            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
-                              for p in (k, v)]).detach().float()
-            kept = self._cross_int8[i] = (key, encoder_cpu.int8_pack(weight, bias))
-        return kept[1]
+        return self._cross_kept(i, "_cross_int8", lambda w, b: (encoder_cpu.int8_pack(w.float(), b.float()),))[0]
 
     def cross_packed(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's cross-attention K and V projections as one product's weights [2 d, d] in
         oneDNN's layout and its bias (k has none), reordered once and kept until a weight changes."""
+        return self._cross_kept(i, "_cross_packed", lambda w, b: (encoder_cpu.pack(w, self.cross_rows), b))
+
+    def _cross_kept(self, i: int, name: str, make) -> tuple:
+        """make(weight [2 d, d], bias [2 d]) of layer i's K and V projections stacked (k's missing
+        bias as zeros), kept in the dict `name` until one of their parameters changes."""
         attn = self.layers[i].encoder_attn
         k, v = attn.k_proj, attn.v_proj
         key = encoder_cpu.parameter_key(k, v)
-        kept = self.__dict__.setdefault("_cross_packed", {}).get(i)
+        kept = self.__dict__.setdefault(name, {}).get(i)
         if kept is None or kept[0] != key:
             weight = torch.cat([k.weight, v.weight]).detach()
             bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
                               for p in (k, v)]).detach()
-            kept = self._cross_packed[i] = (key, encoder_cpu.pack(weight, self.cross_rows), bias)
+            kept = self.__dict__[name][i] = (key, *make(weight, bias))
         return kept[1:]
 
     def hidden(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: DecoderCache,
