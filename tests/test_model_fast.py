@@ -296,12 +296,13 @@ def test_attention_matches_reference(dtype, D, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [2, 5, 9, 17])
+@pytest.mark.parametrize("T", [2, 5, 6, 7, 9, 17])
 def test_attention_value_chunks_keep_each_querys_bits(dtype, T):
     """Several queries sum their values in one pass over chunks of 64 value rows (csrc:
-    softmax_values_chunked_avx2): over 150 keys (three chunks, the last partial) with each query's
-    own number of keys, within or across chunks, every output has the bits of that query alone
-    and of the scalar level, and matches the reference."""
+    softmax_values_chunked_avx2), with AVX-512 in one pass over the rows (2..9 queries in groups
+    of up to 6: values_pass512) or in groups of 8 (more): over 150 keys (three chunks, the last
+    partial) with each query's own number of keys, within or across chunks, every output has the
+    bits of that query alone, of the AVX2 and the scalar levels, and matches the reference."""
     gen = torch.Generator().manual_seed(T)
     B, H, S, D = 2, 3, 150, 64
     q = torch.randn(B, T, H, D, generator=gen)
@@ -309,8 +310,9 @@ def test_attention_value_chunks_keep_each_querys_bits(dtype, T):
     n_keys = torch.randint(1, S + 1, (B, T), generator=gen)
     n_keys[0, 0], n_keys[-1, -1] = 64, S  # a chunk's edge, all keys
     out = cpu_ops.attention(q, k, v, n_keys, 0.125)
-    with cpu_ops.vector_level(0):
-        assert torch.equal(out, cpu_ops.attention(q, k, v, n_keys, 0.125))
+    for level in (1, 0):
+        with cpu_ops.vector_level(level):
+            assert torch.equal(out, cpu_ops.attention(q, k, v, n_keys, 0.125))
     for b in range(B):
         for t in range(T):
             one = cpu_ops.attention(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], n_keys[b:b + 1, t:t + 1], 0.125)
