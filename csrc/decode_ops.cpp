@@ -3401,7 +3401,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("lean_step_calls() -> int");
   m.def("vector_level() -> int");
   m.def("avx512_half_width() -> bool");
-  m.def("encoder_attention(Tensor qkv, int heads) -> Tensor");
+  m.def("encoder_attention(Tensor qkv, int heads, int block=0) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
   m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k) -> Tensor");
   m.def("draft_propose(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor dtokens, Tensor dn, Tensor(c!) dcached, Tensor draft_on, Tensor row_k, Tensor d2t, Tensor(d!) raw, Tensor(e!) proposals, Tensor(f!) draft_passes, int B, int k, int width, int max_pos) -> ()");

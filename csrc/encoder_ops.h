@@ -179,52 +179,59 @@ __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q,
     for (int64_t j = 0; j < Dh; ++j) out[i * ldo + j] = o[j * kEncQ + i] * inv[i];
 }
 
-// qkv [T, 3 · H · Dh] (row stride free, q pre-scaled) -> [T, H · Dh]
-at::Tensor encoder_attention(const at::Tensor& qkv, int64_t heads) {
+// qkv [T, 3 · H · Dh] (row stride free, q pre-scaled) -> [T, H · Dh]. block > 0: each position
+// attends only to the positions of its own run of `block` (T a multiple of it; a draft's
+// block-local layers, `Whisper.local_encoder`), each run packed and computed as a sequence of its
+// own; 0: every position to all T.
+at::Tensor encoder_attention(const at::Tensor& qkv, int64_t heads, int64_t block) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
               "encoder_attention: qkv must be a float32 CPU matrix [T, 3 * d] with unit column stride");
   TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0, "encoder_attention: ", qkv.size(1),
               " columns are not 3 * heads * head_dim for heads = ", heads);
   TORCH_CHECK(has_avx2(), "encoder_attention needs AVX2 and FMA (the caller checks the vector level)");
   const int64_t T = qkv.size(0), d = qkv.size(1) / 3, Dh = d / heads, ld = qkv.stride(0);
+  TORCH_CHECK(block >= 0 && (block == 0 || T % block == 0), "encoder_attention: block must be 0 or divide the ", T,
+              " positions, got ", block);
   at::Tensor out = at::empty({T, d}, qkv.options());
   if (T == 0) return out;
-  const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
-  const int64_t head_pack = Tr * Dh + Jr * Tr;  // keys, then values
+  const int64_t L = block > 0 ? block : T, runs = T / L;  // positions a run, runs
+  const int64_t Tr = (L + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
+  const int64_t head_pack = Tr * Dh + Jr * Tr;  // keys, then values (of one run)
   // scratch kept per thread across calls: fresh multi-MB buffers cost a page fault every 4 KB
   // (≈ 1.5 ms a layer for base's 6 MB of packed keys and values)
   thread_local std::vector<float> packed;
-  packed.resize(std::max(packed.size(), static_cast<size_t>(heads * head_pack)));
+  packed.resize(std::max(packed.size(), static_cast<size_t>(runs * heads * head_pack)));
   const float* base = qkv.data_ptr<float>();
   float* pk = packed.data();
-  parallel_for(0, 2 * heads, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, 2 * runs * heads, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const int64_t h = i / 2;
+      const int64_t rh = i / 2, t0 = rh / heads * L, h = rh % heads;  // run rh / heads, head h
+      const float* rows = base + t0 * ld;
       if (i % 2 == 0) {  // keys as A of Sᵀ = K Qᵀ: [Tr / 6][Dh][6]
-        enc_pack_rows(base + d + h * Dh, ld, T, Dh, pk + h * head_pack);
+        enc_pack_rows(rows + d + h * Dh, ld, L, Dh, pk + rh * head_pack);
       } else {  // values transposed, as A of Oᵀ = Vᵀ Pᵀ: [Jr / 6][Tr][6]
-        float* dst = pk + h * head_pack + Tr * Dh;
-        const float* v = base + 2 * d + h * Dh;
-        for (int64_t g = 0; g < Jr; g += kEncMR) {  // channels g..g+5 of every key, keys past T zero
+        float* dst = pk + rh * head_pack + Tr * Dh;
+        const float* v = rows + 2 * d + h * Dh;
+        for (int64_t g = 0; g < Jr; g += kEncMR) {  // channels g..g+5 of every key, keys past L zero
           float* dg = dst + g * Tr;
           const int64_t w = std::min(kEncMR, Dh - g);
-          for (int64_t t = 0; t < T; ++t)
+          for (int64_t t = 0; t < L; ++t)
             for (int64_t r = 0; r < kEncMR; ++r) dg[t * kEncMR + r] = r < w ? v[t * ld + g + r] : 0.0f;
-          std::fill(dg + T * kEncMR, dg + Tr * kEncMR, 0.0f);
+          std::fill(dg + L * kEncMR, dg + Tr * kEncMR, 0.0f);
         }
       }
     }
   });
-  const int64_t blocks = (T + kEncQ - 1) / kEncQ;
+  const int64_t blocks = (L + kEncQ - 1) / kEncQ;  // query items a run
   float* o = out.data_ptr<float>();
-  parallel_for(0, heads * blocks, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, runs * heads * blocks, 1, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> work;
     work.resize(std::max(work.size(), static_cast<size_t>(Dh * kEncQ + Tr * kEncQ + Jr * kEncQ)));
     float *qp = work.data(), *s = qp + Dh * kEncQ, *ot = s + Tr * kEncQ;
     for (int64_t i = b; i < e; ++i) {
-      const int64_t h = i / blocks, q0 = (i % blocks) * kEncQ;
-      const float* kp = pk + h * head_pack;
-      enc_attention_item(base + q0 * ld + h * Dh, ld, std::min(kEncQ, T - q0), T, Dh, kp, kp + Tr * Dh,
+      const int64_t rh = i / blocks, t0 = rh / heads * L, h = rh % heads, q0 = t0 + (i % blocks) * kEncQ;
+      const float* kp = pk + rh * head_pack;
+      enc_attention_item(base + q0 * ld + h * Dh, ld, std::min(kEncQ, t0 + L - q0), L, Dh, kp, kp + Tr * Dh,
                          o + q0 * d + h * Dh, d, qp, s, ot);
     }
   });

@@ -128,12 +128,19 @@ def test_block_attention_equals_attention_block_by_block(T, block, dtype):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_local_attention_fast_path_equals_its_reference(encoder, int8):
+def test_local_attention_fast_path_equals_its_reference(encoder, int8, monkeypatch):
     """A draft's encoder with block attention (`Whisper.local_encoder`): the fast path equals the
     reference forward with the same blocks, and differs from full attention; the last layer
-    stays global unless `local_last`."""
+    stays global unless `local_last`; where the kernel runs full attention, it runs the local
+    layers too (their blocks passed to it)."""
+    from specwhisper.backends import cpu_ops
+
     if int8 and not encoder_cpu.int8_usable():
         pytest.skip("this torch has no fbgemm int8 linear")
+    blocks = []
+    kernel = cpu_ops.encoder_attention
+    monkeypatch.setattr(cpu_ops, "encoder_attention",
+                        lambda qkv, heads, block=None: blocks.append(block) or kernel(qkv, heads, block))
     mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = encoder.reference(mel)
@@ -147,6 +154,8 @@ def test_local_attention_fast_path_equals_its_reference(encoder, int8):
             fast, ref = encoder(mel), encoder.reference(mel)
     finally:
         del encoder.attention_block, encoder.int8_linears, encoder.local_last
+    if cpu_ops.encoder_attention_usable(mel):
+        assert blocks == [150] * len(encoder.layers)
     assert not torch.allclose(ref, full, atol=1e-3)  # really attended locally
     if int8:  # int8 projections: close, as in the test above
         assert torch.nn.functional.cosine_similarity(fast[0], ref[0], dim=-1).min() > 0.98
@@ -365,6 +374,35 @@ def test_encoder_attention_bits_do_not_depend_on_threads_or_the_calling_thread()
 
 
 @needs_avx2
+@needs_avx2
+@pytest.mark.parametrize("T,block,heads,head_dim", [(750, 75, 6, 64), (12, 3, 2, 64), (40, 20, 3, 20),
+                                                    (66, 33, 2, 16), (64, 64, 1, 64), (7, 1, 2, 64)])
+def test_encoder_attention_within_blocks_is_each_block_alone(T, block, heads, head_dim):
+    """`block`: each run of `block` positions attends only to itself (a draft's local layers): the
+    bits of the kernel run on that run's rows alone (strided rows), within twice the error of
+    torch's float32 `whisper.block_attention` against its float64 result, and different from full
+    attention; a block that does not divide the length is refused."""
+    from specwhisper.backends import cpu_ops
+    from specwhisper.model.whisper import block_attention
+
+    d = heads * head_dim
+    g = torch.Generator().manual_seed(T + block)
+    qkv = (torch.randn(T, 3 * d + 4, generator=g) * 2)[:, 1:3 * d + 1]
+    with torch.no_grad():
+        out = cpu_ops.encoder_attention(qkv, heads, block)
+        alone = torch.cat([cpu_ops.encoder_attention(qkv[i:i + block], heads) for i in range(0, T, block)])
+        torch_out, ref = (block_attention(*x.reshape(T, 3, heads, head_dim).permute(1, 2, 0, 3)[:, None], block)
+                          [0].transpose(0, 1).reshape(T, d) for x in (qkv, qkv.double()))  # q, k, v [1, H, T, Dh]
+    assert torch.equal(out, alone)
+    torch_error = (torch_out.double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * max(torch_error, 1e-6)
+    if block < T:
+        assert not torch.allclose(out, cpu_ops.encoder_attention(qkv, heads), atol=1e-3)
+    if block > 1:
+        with pytest.raises(RuntimeError, match="block must be 0 or divide"):
+            cpu_ops.encoder_attention(qkv[:T - 1], heads, block)
+
+
 def test_encoder_attention_names_bad_input():
     from specwhisper.backends import cpu_ops
 
@@ -385,7 +423,8 @@ def test_fast_path_attends_with_the_kernel_on_avx2_and_with_torch_elsewhere(enco
 
     calls = []
     kernel = cpu_ops.encoder_attention
-    monkeypatch.setattr(cpu_ops, "encoder_attention", lambda qkv, heads: calls.append(heads) or kernel(qkv, heads))
+    monkeypatch.setattr(cpu_ops, "encoder_attention",
+                        lambda qkv, heads, block=None: calls.append(heads) or kernel(qkv, heads, block))
     mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         with cpu_ops.vector_level(1):

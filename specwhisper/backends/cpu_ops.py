@@ -215,11 +215,12 @@ def _half_width() -> bool:
     return bool(_ops().avx512_half_width())
 
 
-def encoder_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
-    """The encoder's full self-attention from its fused projection's output qkv [T, 3 d] (q
-    pre-scaled; rows may be strided) -> [T, d] (csrc/encoder_ops.h; callers check
-    `encoder_attention_usable`)."""
-    return _ops().encoder_attention(qkv, heads)
+def encoder_attention(qkv: torch.Tensor, heads: int, block: int | None = None) -> torch.Tensor:
+    """The encoder's self-attention from its fused projection's output qkv [T, 3 d] (q pre-scaled;
+    rows may be strided) -> [T, d] (csrc/encoder_ops.h; callers check `encoder_attention_usable`):
+    over all T positions, or (`block`) within each run of `block` positions (T a multiple of it,
+    a draft's block-local layers: `whisper.block_attention`'s spec)."""
+    return _ops().encoder_attention(qkv, heads, block or 0)
 
 
 def attention(q, k_cache, v_cache, n_keys, scale):

@@ -19,9 +19,11 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   (1500 keys fit in L2) on one register tile for both products. Whisper-base, two Zen 3 cores:
   45.1 against 48.6 ms a layer for torch's flash kernel, the whole encoder ≈ 3–6% faster (paired
   medians 1.028–1.063 over 30 alternated windows; README); two Zen 4 cores, whose AVX-512 runs on
-  256-bit units, 0.462 against 0.535 s for the whole encoder (paired median 1.15). With full-width
-  AVX-512 (an Intel Xeon: twice the kernel's vector width, it is AVX2 code) and for a draft's local
-  layers it is PyTorch's flash kernel on head-major copies of
+  256-bit units, 0.462 against 0.535 s for the whole encoder (paired median 1.15); a draft's
+  block-local layers (`Whisper.local_encoder`) run it on each run of positions (tiny.en's draft: 750
+  pooled positions in runs of 75, 6 heads, two Zen 4 cores: 0.79 against 1.46 ms a layer for the
+  flash kernel and its copies). With full-width AVX-512 (an Intel Xeon: twice the kernel's vector
+  width, it is AVX2 code) it is PyTorch's flash kernel on head-major copies of
   q/k/v (≈ 8% faster than on strided views, the copy included), whose output ([T, H, Dh] in
   memory) feeds the out projection without a copy;
 - the two convolutions are inner products over time-major columns: the weights reordered
@@ -145,8 +147,8 @@ class PackedEncoder:
         ln1, ln2 = p["ln1"], p["ln2"]
         h = F.layer_norm(x, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps)
         qkv = linear(h, p["qkv"])  # [T, 3 d], q pre-scaled
-        if block is None and cpu_ops.encoder_attention_usable(qkv):
-            o = cpu_ops.encoder_attention(qkv, H)  # [T, d], read from qkv in place
+        if cpu_ops.encoder_attention_usable(qkv) and (block is None or T % block == 0):
+            o = cpu_ops.encoder_attention(qkv, H, block)  # [T, d], read from qkv in place
         else:
             # head-major copies: the flash kernel runs ≈ 8% faster on them, the copy included
             q, k, v = qkv.view(1, T, 3, H, d // H).permute(2, 0, 3, 1, 4).contiguous()  # [1, H, T, Dh]
