@@ -650,6 +650,7 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
 // products, in their order (so the same bits), where those ran on the calling thread between
 // sections while the others waited (decoder_layers_lean).
 struct Epilogue {
+  const float* row_scale = nullptr;  // int8 projections: fl(fl(P[m, n] * row_scale[m]) * scale[n]) + bias[n]
   const float* scale = nullptr;     // int8 projections: x . q[n] * scale[n] + bias[n]
   const float* bias = nullptr;
   bool gelu = false;
@@ -755,111 +756,6 @@ constexpr int64_t kQB = 8;  // vocabulary rows per int8 block
 // Zen 4 EPYC (double-pumped AVX-512) the AVX2 form screened base's head for one row about 5%
 // faster (1.14 against 1.21 ms, cold, alternated in one process).
 bool wide_single_row = true;
-
-// out[m, j] for rows m of x (MR of them, row stride K) and rows j0..j0+NJ-1 of one int8 block. MR * NJ accumulators stay in
-// registers (16 ymm in AVX2). PF: prefetch the next int8 block.
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load_block8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-template <int MR, int NJ, typename Q, bool PF = false>
-__attribute__((target("avx2,fma,f16c"))) void q8_block(const float* x, int64_t K, const Q* blk, int j0, float* out,
-                                                       int64_t ldo, const int8_t* next = nullptr) {
-  __m256 acc[MR][NJ];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const Q* p = blk + k * kQB + 8 * j0;
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);
-    __m256 xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
-    for (int j = 0; j < NJ; ++j) {
-      const __m256 wv = load_block8(p + 8 * j);
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NJ; ++j) out[i * ldo + j0 + j] = hsum8(acc[i][j]);
-}
-
-// Every row of x against one int8 block, in groups of up to 3 rows; the first group prefetches
-// the next block.
-__attribute__((target("avx2,fma,f16c"))) void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* blk,
-                                                      const int8_t* next, float* out, int64_t ldo) {
-  int64_t m = 0;
-  if (M == 1) {
-    q8_block<1, 8, int8_t, true>(x, K, blk, 0, out, ldo, next);
-    return;
-  }
-  if (M >= 3) {
-    q8_block<3, 4, int8_t, true>(x, K, blk, 0, out, ldo, next), q8_block<3, 4, int8_t>(x, K, blk, 4, out, ldo);
-    m = 3;
-  }
-  for (; m + 3 <= M; m += 3)
-    for (int j0 = 0; j0 < kQB; j0 += 4) q8_block<3, 4, int8_t>(x + m * K, K, blk, j0, out + m * ldo, ldo);
-  if (M - m == 2) {
-    if (m == 0) q8_block<2, 4, int8_t, true>(x, K, blk, 0, out, ldo, next);
-    else q8_block<2, 4, int8_t>(x + m * K, K, blk, 0, out + m * ldo, ldo);
-    q8_block<2, 4, int8_t>(x + m * K, K, blk, 4, out + m * ldo, ldo);
-  }
-  if (M - m == 1) q8_block<1, 8, int8_t>(x + m * K, K, blk, 0, out + m * ldo, ldo);
-}
-
-// The same int8 products with AVX-512 (linear_q8: the drafts' projections): one zmm holds two
-// vocabulary rows of a block (lanes 0-7 row j, 8-15 row j+1) against the input's 8 features
-// broadcast to both halves, so each int8 load and widening serves 16 products, each half summed
-// by hsum8 like the AVX2 lanes. MR input rows at a time (4 row pairs x MR accumulators).
-template <int MR, bool PF = false>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void q8_block512(const float* x, int64_t K, const int8_t* blk,
-                                                                          float* out, int64_t ldo,
-                                                                          const int8_t* next = nullptr) {
-  __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const int8_t* p = blk + k * kQB;
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), _MM_HINT_T0);
-    __m512 xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * K + k));
-    for (int j = 0; j < 4; ++j) {
-      const __m512 wv =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j))));
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) {
-      out[i * ldo + 2 * j] = hsum8(_mm512_castps512_ps256(acc[i][j]));
-      out[i * ldo + 2 * j + 1] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1)));
-    }
-}
-
-// rows (1..4) input rows against one int8 block with q8_block512.
-template <bool PF>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void q8_group512(int64_t rows, const float* x, int64_t K,
-                                                                          const int8_t* blk, float* out, int64_t ldo,
-                                                                          const int8_t* next) {
-  switch (rows) {
-    case 1: q8_block512<1, PF>(x, K, blk, out, ldo, next); break;
-    case 2: q8_block512<2, PF>(x, K, blk, out, ldo, next); break;
-    case 3: q8_block512<3, PF>(x, K, blk, out, ldo, next); break;
-    default: q8_block512<4, PF>(x, K, blk, out, ldo, next); break;
-  }
-}
-
-// Every row of x against one int8 block, up to 4 rows at a time; the first group prefetches
-// the next block.
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void q8_rows512(const float* x, int64_t M, int64_t K,
-                                                                         const int8_t* blk, const int8_t* next,
-                                                                         float* out, int64_t ldo) {
-  for (int64_t m = 0; m < M; m += 4) {
-    const int64_t rows = std::min<int64_t>(4, M - m);
-    if (m == 0)
-      q8_group512<true>(rows, x, K, blk, out, ldo, next);
-    else
-      q8_group512<false>(rows, x + m * K, K, blk, out + m * ldo, ldo, nullptr);
-  }
-}
 
 // ---- the screen's integer products (spec: head.py `ScreenedHead.approx`)
 // A row h is quantized once to 16-bit integers p = round(h / s_h), s_h = max|h| / R, and the
@@ -1006,12 +902,13 @@ __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t
                                                        const int8_t* next, float* out, int64_t ldo) {
   if (M > 2) {
     balanced_groups(M, 6, [&](int64_t m, int64_t rows) {
-      if (m == 0) q16_halves<true>(rows, x, K, blk, out, ldo, next);
+      if (m == 0 && next != nullptr) q16_halves<true>(rows, x, K, blk, out, ldo, next);
       else q16_halves<false>(rows, x + m * K, K, blk, out + m * ldo, ldo, next);
     });
     return;
   }
-  if (M == 2) q16_block<2, true>(x, K, blk, out, ldo, next);
+  if (next == nullptr) M == 2 ? q16_block<2, false>(x, K, blk, out, ldo, next) : q16_block<1, false>(x, K, blk, out, ldo, next);
+  else if (M == 2) q16_block<2, true>(x, K, blk, out, ldo, next);
   else q16_block<1, true>(x, K, blk, out, ldo, next);
 }
 
@@ -1093,16 +990,17 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) void q16_rows
   balanced_groups(M, kQ512Rows, [&](int64_t m, int64_t rows) {
     const int16_t* xm = x + m * K;
     float* o = out + m * ldo;
+    const bool pf = m == 0 && next != nullptr;
     switch (rows) {
-      case 1: q16_group512<VNNI, 1>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 2: q16_group512<VNNI, 2>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 3: q16_group512<VNNI, 3>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 4: q16_group512<VNNI, 4>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 5: q16_group512<VNNI, 5>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 6: q16_group512<VNNI, 6>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 7: q16_group512<VNNI, 7>(xm, K, blk, o, ldo, next, m == 0); break;
-      case 8: q16_group512<VNNI, 8>(xm, K, blk, o, ldo, next, m == 0); break;
-      default: q16_group512<VNNI, 9>(xm, K, blk, o, ldo, next, m == 0); break;
+      case 1: q16_group512<VNNI, 1>(xm, K, blk, o, ldo, next, pf); break;
+      case 2: q16_group512<VNNI, 2>(xm, K, blk, o, ldo, next, pf); break;
+      case 3: q16_group512<VNNI, 3>(xm, K, blk, o, ldo, next, pf); break;
+      case 4: q16_group512<VNNI, 4>(xm, K, blk, o, ldo, next, pf); break;
+      case 5: q16_group512<VNNI, 5>(xm, K, blk, o, ldo, next, pf); break;
+      case 6: q16_group512<VNNI, 6>(xm, K, blk, o, ldo, next, pf); break;
+      case 7: q16_group512<VNNI, 7>(xm, K, blk, o, ldo, next, pf); break;
+      case 8: q16_group512<VNNI, 8>(xm, K, blk, o, ldo, next, pf); break;
+      default: q16_group512<VNNI, 9>(xm, K, blk, o, ldo, next, pf); break;
     }
   });
 }
@@ -1120,13 +1018,6 @@ float q16_dot_scalar(const int16_t* x, int64_t K, const int8_t* blk, int j) {
   for (int64_t k = 0; k < K; k += 8)
     for (int l = 0; l < 8; ++l) s += int32_t{blk[k * kQB + 8 * j + l]} * int32_t{x[k + l]};
   return static_cast<float>(s);
-}
-
-float q8_dot_scalar(const float* x, int64_t K, const int8_t* blk, int j) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t k = 0; k < K; k += 8)
-    for (int l = 0; l < 8; ++l) lane[l] = std::fma(static_cast<float>(blk[k * kQB + 8 * j + l]), x[k + l], lane[l]);
-  return hsum8_scalar(lane);
 }
 
 // The screen's bookkeeping, 8 tokens v..v+7 (all < V) of one row at a time, with the scalar
@@ -1405,7 +1296,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void store_block_sums(const __m2
 // 32-byte load holds rows 2jj and 2jj+1 (16 bytes each); maddubs multiplies the unsigned nibbles
 // by the row's signed features (|pair sum| <= 2 * 15 * 127: no saturation), madd sums pairs into
 // int32 lanes 0-3 (row 2jj) and 4-7 (row 2jj+1). PF: prefetch kQ4Prefetch ahead, in the first group
-// of rows only (the others read the lines it brought in; as q8_rows and q16_rows do). Against
+// of rows only (the others read the lines it brought in; as q16_rows does). Against
 // prefetching in every group, alternated 60 rounds (base-2l's head, 2 Zen 3 threads): 3 / 4 / 8 rows
 // 0.955 / 0.962 / 0.971 of the time, within the noise (1 and 2 rows, the same code both ways, read
 // 0.976 / 0.955).
@@ -1776,26 +1667,55 @@ at::Tensor q4_logits(const at::Tensor& hidden, const at::Tensor& packed, const a
 }
 
 // ------------------------------------------------------------------ int8 linear (drafts)
-// out[M, N] = x[M, K] . q[n] * scale[n] + bias[n] for packed int8 projections [N/8, K/8, 8, 8],
-// parallel over blocks of kQB rows, `finish` (its scale at least) applied in each section.
+// out[M, N] = fl(fl(P[m, n] * s_m) * scale[n]) + bias[n] for packed int8 projections q [N/8, K/8, 8,
+// 8] (the screen's block layout), P = q_n . p_m the exact integer product of row m rounded to 16
+// bits (p_m = round(x_m / s_m), s_m = max|x_m| / q16_range(K): quantize_rows16, as the screen's),
+// parallel over blocks of kQB rows, `finish` (its scale at least) applied in each section. The
+// screen's 16-bit multiply-adds (AVX512-VNNI: vpdpwssd, 32 products an instruction) where float32
+// FMAs of the widened int8 weights took four instructions for 16 products. Exact integer sums:
+// the same outputs at every vector level. A draft only proposes (its rows' 16-bit rounding is
+// ≈ 1e-4 of their largest feature): compact drafts' three steps after a 4-row verify pass,
+// alternated in one process on a Zen 4 EPYC, base-2l 1.086x, tiny.en 1.039x (held to AVX2:
+// vpmaddwd, 1.044x / 1.037x); k = 3 acceptance unchanged on six bench windows (base-2l 0.822,
+// tiny.en 0.778) and the demo recording (0.723; tiny.en 0.825 -> 0.814).
+constexpr int64_t kQ8OwnRows = 16;  // rows each thread quantizes for itself
 void q8_matmul(const float* xp, int64_t M, int64_t K, const int8_t* qp, int64_t N, float* op, const Epilogue& finish) {
   const int64_t blocks = N / kQB;
   const int level = vector_level();
+  const bool vnni = has_vnni();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (kQB * K));
+  // the rows in 16 bits: a draft step's few quantized by each thread for itself (no serial gap
+  // before the section), a prompt pass's many once
+  const bool own = M <= kQ8OwnRows;
+  std::vector<int16_t> shared_q(own ? 0 : M * K);
+  std::vector<float> shared_s(own ? 0 : M);
+  if (!own) quantize_rows16(xp, M, K, shared_q.data(), shared_s.data());
   parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<int16_t> own_q;
+    thread_local std::vector<float> own_s;
+    if (own) {
+      own_q.resize(std::max(own_q.size(), static_cast<size_t>(M * K)));
+      own_s.resize(std::max(own_s.size(), static_cast<size_t>(M)));
+      quantize_rows16(xp, M, K, own_q.data(), own_s.data());
+    }
+    const int16_t* xq = own ? own_q.data() : shared_q.data();
     for (int64_t b = b0; b < b1; ++b) {
       const int8_t* blk = qp + b * kQB * K;
-      const int8_t* next = b + 1 < b1 ? blk + kQB * K : blk;
-      if (level >= 2) {
-        q8_rows512(xp, M, K, blk, next, op + b * kQB, N);
+      float* o = op + b * kQB;
+      if (level >= 2 && vnni) {
+        q16_rows512<true>(xq, M, K, blk, nullptr, o, N);
+      } else if (level >= 2) {
+        q16_rows512<false>(xq, M, K, blk, nullptr, o, N);
       } else if (level >= 1) {
-        q8_rows(xp, M, K, blk, next, op + b * kQB, N);
+        q16_rows(xq, M, K, blk, nullptr, o, N);
       } else {
         for (int64_t m = 0; m < M; ++m)
-          for (int j = 0; j < kQB; ++j) op[m * N + b * kQB + j] = q8_dot_scalar(xp + m * K, K, blk, j);
+          for (int j = 0; j < kQB; ++j) o[m * N + j] = q16_dot_scalar(xq + m * K, K, blk, j);
       }
     }
-    finish.apply(op, M, N, b0 * kQB, b1 * kQB, level >= 1);
+    Epilogue scaled = finish;
+    scaled.row_scale = own ? own_s.data() : shared_s.data();
+    scaled.apply(op, M, N, b0 * kQB, b1 * kQB, level >= 1);
   });
 }
 
@@ -2685,6 +2605,8 @@ void Epilogue::apply(float* acc, int64_t M, int64_t N, int64_t n0, int64_t n1, b
   if (n1 <= n0) return;
   for (int64_t m = 0; m < M; ++m) {
     float* a = acc + m * N;
+    if (row_scale != nullptr)
+      for (int64_t n = n0; n < n1; ++n) a[n] = a[n] * row_scale[m];
     if (scale != nullptr)
       for (int64_t n = n0; n < n1; ++n) a[n] = a[n] * scale[n] + (bias != nullptr ? bias[n] : 0.0f);
     else if (bias != nullptr)

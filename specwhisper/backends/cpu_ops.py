@@ -146,15 +146,32 @@ def gelu(x):
 
 
 def linear_q8_reference(x, packed, scale, bias=None):
+    """`linear_q8`'s spec: each row of x rounded to 16-bit integers p = round(x / s), s = max|x| /
+    `q16_range(K)` (float32 division, ties to even; a zero row: s = 0, a row with a NaN or an
+    infinity: s = NaN), the exact integer products P = p . q_n, then fl(fl(fl(P) * s) * scale_n) +
+    bias_n in float32."""
+    from ..model.head import q16_range  # (head.py imports this module)
+
     n_blocks, k8 = packed.shape[:2]
-    q = packed.transpose(1, 2).reshape(n_blocks * 8, k8 * 8).float()
-    out = (x.float() @ q.T) * scale
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    K = k8 * 8
+    q = packed.transpose(1, 2).reshape(n_blocks * 8, K).long()
+    rows = x.reshape(-1, K).float()
+    top = rows.abs().amax(dim=1, keepdim=True)
+    finite = rows.isfinite().all(dim=1, keepdim=True)
+    s = top / q16_range(K)
+    p = torch.where(s > 0, torch.round(rows / torch.where(s > 0, s, 1.0)), 0.0).long()
+    s = torch.where(finite, s, torch.full_like(s, float("nan")))
+    p = torch.where(finite, p, 0)
+    P = (p @ q.T).float()  # exact int64 sums, rounded to float32 as the kernels' int32 sums are
+    out = (P * s) * scale
+    out = out if bias is None else out + bias.float()
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
 def linear_q8(x, packed, scale, bias=None):
     """x @ (scale[:, None] * q).T + bias with q the int8 rows in the screen's block layout
-    (`head.pack_int8`): an int8 draft's projections."""
+    (`head.pack_int8`), x's rows rounded to 16 bits (`linear_q8_reference`): an int8 draft's
+    projections (it only proposes; the target verifies)."""
     if active(x):
         return _ops().linear_q8(x, packed, scale, bias)
     return linear_q8_reference(x, packed, scale, bias)
@@ -345,8 +362,8 @@ def lean_step(enabled: bool):
 
 @contextlib.contextmanager
 def without_vnni():
-    """Inside this block the AVX-512 level computes the screen's products without AVX512-VNNI
-    (AVX512-BW multiply-adds, the same bits): tests run that path on a CPU with VNNI."""
+    """Inside this block the AVX-512 level computes the screen's products (and `linear_q8`'s) without
+    AVX512-VNNI (AVX512-BW multiply-adds, the same bits): tests run that path on a CPU with VNNI."""
     before = _ops().set_vnni(False)
     try:
         yield
