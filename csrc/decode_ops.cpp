@@ -779,12 +779,49 @@ inline float abs_max(const float* x, int64_t K, bool& finite) {
 // p [N, K] and s_h [N] from h [N, K] float32: s_h = fl(max|h| / R), p = round-half-even(fl(h / s_h))
 // (torch's float32 division and round); a zero row gives s_h = 0, p = 0; a row with a NaN or an
 // infinity gives s_h = NaN (its approximate logits are NaN, so it keeps no candidate).
+// The same with AVX2, 8 features at a time (the same divisions and roundings: the same p): a
+// compact draft's linears quantize their rows every step (4.8% of base-2l's step in scalar code;
+// three of its steps after a verify pass, alternated in one process: 1.043x).
+__attribute__((target("avx2,fma,f16c"))) float abs_max_avx2(const float* x, int64_t K, bool& finite) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+  __m256 mx = zero, ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_EQ_OQ));  // inf - inf, NaN: NaN
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float best = 0.0f;
+  for (float l : lanes) best = std::max(best, l);  // a finite row's maximum: any order
+  finite = finite && _mm256_movemask_ps(ok) == 0xFF;
+  for (; k < K; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    best = std::max(best, std::fabs(x[k]));
+  }
+  return best;
+}
+
+__attribute__((target("avx2,fma,f16c"))) void divide_round16_avx2(const float* x, int64_t K, float s, int16_t* q) {
+  const __m256 d = _mm256_set1_ps(s);
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i i = _mm256_cvtps_epi32(r);  // |r| <= 32767: exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                     _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+  }
+  for (; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(x[k] / s));
+}
+
 void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh) {
   const float range = static_cast<float>(q16_range(K));
+  const bool vec = has_avx2();
   for (int64_t r = 0; r < N; ++r) {
     const float* x = h + r * K;
     bool finite = true;
-    const float mx = abs_max(x, K, finite);
+    const float mx = vec ? abs_max_avx2(x, K, finite) : abs_max(x, K, finite);
     int16_t* q = p + r * K;
     if (!finite || mx == 0.0f) {
       sh[r] = finite ? 0.0f : NAN;
@@ -793,6 +830,10 @@ void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh
     }
     const float s = mx / range;
     sh[r] = s;
+    if (vec) {
+      divide_round16_avx2(x, K, s, q);
+      continue;
+    }
     for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(x[k] / s));
   }
 }

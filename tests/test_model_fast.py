@@ -259,6 +259,8 @@ def test_int8_linear_matches_reference_at_every_vector_level(M):
     if M > 2:
         x[1] = 0.0
         x[2, 7] = float("nan")
+    if M > 3:
+        x[3, 9] = float("-inf")
     ref = cpu_ops.linear_q8_reference(x, packed, scale, bias)
     q = packed.transpose(1, 2).reshape(96, K).float()
     dequantized = x @ (q * scale[:, None]).T + bias
