@@ -14,9 +14,13 @@ ninja on first use) beside the PyTorch reference of each op, with the same signa
 - `decoder_step(decoder, tokens, input_pos, cache, kv_len)`: a whole decoder step in one call (the
   embeddings, the ops above in the order of `model.whisper.DecoderLayer.forward_rows`, the last
   norm): no per-op Python overhead.
-- `encoder_attention(qkv [T, 3 d], heads)`: the encoder's full self-attention read from its fused
-  projection (csrc/encoder_ops.h; AVX2 code only, used where AVX2 is the CPU's best level:
-  `encoder_attention_usable`); spec `encoder_attention_reference`, equal to float rounding.
+- `encoder_attention(qkv [T, 3 d], heads, block=None)`: the encoder's self-attention read from its
+  fused projection, over all T positions or within runs of `block` (a draft's local layers)
+  (csrc/encoder_ops.h; AVX2 code only, used where AVX2 is the CPU's best level or AVX-512 runs
+  on 256-bit units: `encoder_attention_usable`); spec `encoder_attention_reference`, equal to
+  float rounding.
+- `linear_q8(x, packed, scale, bias)`: an int8 draft's projections, x's rows rounded to 16 bits
+  and multiplied in exact integers (the screen's kernels); spec `linear_q8_reference`, the same bits.
 
 Why the C++ ops: torch's CPU GEMM runs a 1-row product at about half the memory bandwidth and
 2-3 rows as repeated GEMVs; these ops read every weight once for all rows, and compute each
