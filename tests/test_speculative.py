@@ -686,15 +686,23 @@ def test_draft_length_rule():
     missed, on = trial(0)
     assert sum(on[:10]) >= 8 and missed.pays() and missed.spec[0] >= missed.MEASURED_TOKENS, on
     # a draft whose start costs an encoder pass (18 plain passes a window; 14: tiny.en's int8,
-    # block-local encoder held to AVX2) gets no trial
+    # block-local encoder held to AVX2) gets the trial too: its first TRIAL iterations draft
+    # whatever the first one kept, then its measurements decide (here: on, a good draft)
     for setup in (18.0, 14.0):
-        _, on = trial(0, setup=setup)
-        assert on[0] and not any(on[1:10]), (setup, on)
-    useless = DraftLength(None)  # a draft never right gets its trial, then stays off
-    useless.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
-                      cost_ratio=0.28, setup_seconds=0.0)
-    ks = [step(useless, False, 0.28) for _ in range(60)]
-    assert 0 < sum(k > 0 for k in ks[:10]) <= useless.TRIAL + 1 and sum(k > 1 for k in ks[10:]) == 0, ks
+        rule, on = trial(0, setup=setup)
+        assert all(on[:rule.TRIAL]) and on[-1] and rule.pays(), (setup, on)
+    for setup in (0.0, 18.0):  # a draft never right gets its trial, then stays off
+        useless = DraftLength(None)
+        useless.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
+                          cost_ratio=0.28, setup_seconds=setup)
+        ks = [step(useless, False, 0.28) for _ in range(60)]
+        assert 0 < sum(k > 0 for k in ks[:10]) <= useless.TRIAL + 1 and sum(k > 1 for k in ks[10:]) == 0, (setup, ks)
+    # no trial where even a draft that is always right would not pay (a self draft: c = 1)
+    selfish = DraftLength(None)
+    selfish.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 2 + [1.1 + 0.05 * r for r in range(8)],
+                      cost_ratio=1.0, setup_seconds=18.0)
+    assert selfish.best(always_right=True)[1] < 1.0
+    assert not any(step(selfish, True, 1.0) for _ in range(30))
 
     # a draft with its own encoder (20 plain passes a window) that has drafted before, switched
     # off, and whose estimate is now just above MARGIN does not switch back on (START_MARGIN); the
@@ -706,6 +714,7 @@ def test_draft_length_rule():
         rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.1 + 0.1 * r for r in range(8)],
                        cost_ratio=cost_ratio, setup_seconds=20.0)
         rule.window_steps = rule.COLD_STEPS  # its window's first plain steps (cold, not timed) behind it
+        rule.spec_iters = rule.TRIAL  # past the trial (an engine's first TRIAL speculative iterations)
         return rule
     near, clear = hovering(0.22), hovering(0.1)
     assert near.MARGIN < near.best()[1] < near.START_MARGIN < clear.best()[1], (near.best(), clear.best())
@@ -838,6 +847,7 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     rule.window_tokens = 80.0
     rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.1 + 0.1 * r for r in range(8)],
                    cost_ratio=0.3, setup_seconds=20.0)  # pays without its setup only (as above)
+    rule.spec_iters = rule.TRIAL  # past its trial: the model decides
     pending = [False]
     spec = SimpleNamespace(use_draft=True, num_draft_tokens=None, prompt=[1, 2, 3])
     generated = [5.0]  # tokens the pending row has generated
