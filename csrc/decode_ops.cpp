@@ -1802,7 +1802,7 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
 // 0.82 / 1.11 -> 0.86 / 1.36 ms, 5 queries 1.49 / 1.79 -> 2.11 / 2.25). Its keys are read as
 // matmul_range's 4 long streams instead (attention_impl).
 constexpr int64_t kAttnPrefetch = 4096;
-constexpr int64_t kOwnValuePass = 9;  // AVX-512: 2..this many queries take values_pass512, more the groups
+constexpr int64_t kOwnValuePass = 9;  // AVX-512: 2..this many queries take values512's one pass, more its halves
 constexpr int64_t kValueChunk = 64;  // value rows per chunk (softmax_values_chunked_avx2)
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead: float32 rows (the target's,
@@ -1893,84 +1893,55 @@ float softmax_weights_scalar(float* scores, int64_t n, float best) {
   return total;
 }
 
-// The value sums of G queries (D == 64) in one pass over the value rows per 32 dimensions (AVX-512),
-// so V is read once for all the queries of a long pass (a prompt): w[g][0..n[g]) are the softmax
-// weights of query g, total[g] their sum. Each output element is the same chain of fmas over j
-// ascending as in softmax_values_chunked_avx2, then the same division: the same bits.
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <int G, typename T>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void values_group512(const float* const* w, const int64_t* n,
-                                                                              const float* total, const T* v, int64_t vs,
-                                                                              float* const* out) {
+// The value sums of G queries (D == 64) with AVX-512, R registers (16 dimensions each) a query per
+// pass over the value rows: w[g][0..n[g]) are the softmax weights of query g, total[g] their sum.
+// R = 4 (a verify pass, G <= 6: 24 accumulators + 4 + 1 of the 32 zmm): one pass, each row's 64
+// values serving every query, so the loop that streams V from memory does all the queries'
+// arithmetic, where the chunks below stream a chunk for the first query, then compute the
+// others' from L1 with the memory idle (base's six cross-attention layers, 1500 keys, cold, 2
+// threads of a Zen 4 EPYC, alternated in one process against the chunks, paired: 2 / 3 / 5 / 9
+// queries 1.036 / 1.046 / 1.094 / 1.087, 5: 1.471 -> 1.333 ms, keys included; one query keeps the
+// chunks, 0.98; base's whole verify pass, blocks and head, cold: 2 / 3 / 4 / 5 rows 1.035 / 1.043 /
+// 1.061 / 1.046). R = 2 (a prompt pass, groups of 8 queries): two passes of 32 dimensions. Each
+// output element is the same chain of fmas over j ascending from zero as in
+// softmax_values_chunked_avx2, then the same division: the same bits.
+template <int G, int R, typename T>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void values512(const float* const* w, const int64_t* n,
+                                                                        const float* total, const T* v, int64_t vs,
+                                                                        float* const* out) {
   int64_t n_max = 0;
   for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
-  for (int c = 0; c < 64; c += 32) {
-    __m512 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  for (int c = 0; c < 64; c += 16 * R) {
+    __m512 acc[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_max; ++j) {
       const T* vj = v + j * vs + c;
       if (c == 0) prefetch_value_row(v + j * vs);
-      const __m512 v0 = load16(vj), v1 = load16(vj + 16);
+      __m512 vr[R];
+      for (int r = 0; r < R; ++r) vr[r] = load16(vj + 16 * r);
       for (int g = 0; g < G; ++g)
         if (j < n[g]) {
           const __m512 p = _mm512_set1_ps(w[g][j]);
-          acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-          acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+          for (int r = 0; r < R; ++r) acc[g][r] = _mm512_fmadd_ps(p, vr[r], acc[g][r]);
         }
     }
     for (int g = 0; g < G; ++g) {
       const __m512 div = _mm512_set1_ps(total[g]);
-      _mm512_storeu_ps(out[g] + c, _mm512_div_ps(acc[g][0], div));
-      _mm512_storeu_ps(out[g] + c + 16, _mm512_div_ps(acc[g][1], div));
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[g] + c + 16 * r, _mm512_div_ps(acc[g][r], div));
     }
   }
 }
 
-// The value sums of G <= 6 queries (D == 64) in one pass over the value rows with AVX-512: each row's
-// 64 values in 4 registers serve every query (4 accumulators each: 24 + 4 + 1 of the 32 zmm), so
-// the loop that streams V from memory does all the queries' arithmetic, where the chunks below
-// stream a chunk for the first query, then compute the others' from L1 with the memory idle.
-// Each output element is the same chain of fmas over j ascending from zero, then the same
-// division: the same bits. Base's six cross-attention layers (1500 keys, cold), 2 threads of a Zen 4
-// EPYC, alternated in one process against the chunks (paired): 2 / 3 / 5 / 9 queries 1.036 / 1.046
-// / 1.094 / 1.087 (5: 1.471 -> 1.333 ms, keys included); one query keeps the chunks (0.98). Base's
-// whole verify pass (blocks and head, cold, 30 rounds): 2 / 3 / 4 / 5 rows 1.035 / 1.043 / 1.061 /
-// 1.046 (5 rows 4.82 -> 4.62 ms).
-template <int G, typename T>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void values_pass512(const float* const* w, const int64_t* n,
-                                                                            const float* total, const T* v, int64_t vs,
-                                                                            float* const* out) {
-  int64_t n_max = 0;
-  for (int g = 0; g < G; ++g) n_max = std::max(n_max, n[g]);
-  __m512 acc[G][4];
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n_max; ++j) {
-    const T* vj = v + j * vs;
-    prefetch_value_row(vj);
-    const __m512 v0 = load16(vj), v1 = load16(vj + 16), v2 = load16(vj + 32), v3 = load16(vj + 48);
-    for (int g = 0; g < G; ++g)
-      if (j < n[g]) {
-        const __m512 p = _mm512_set1_ps(w[g][j]);
-        acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-        acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
-        acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
-      }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 div = _mm512_set1_ps(total[g]);
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out[g] + 16 * c, _mm512_div_ps(acc[g][c], div));
-  }
-}
-
 // Softmax-weighted value sums of Tq >= 2 queries (D == 64) with AVX-512: weights per query, then up
-// to kOwnValuePass queries (a verify pass) in one pass over the value rows (values_pass512, groups
-// of up to 6), more (a prompt pass) in groups of up to 8 (values_group512).
+// to kOwnValuePass queries (a verify pass) in one pass over the value rows (values512, R = 4, groups
+// of up to 6), more (a prompt pass) in groups of up to 8 (R = 2).
 template <typename T>
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_multi512(float* scores, int64_t ld,
                                                                                      const int64_t* n, int64_t Tq,
@@ -1988,26 +1959,26 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_mu
     const int64_t groups = (Tq + 5) / 6, per = (Tq + groups - 1) / groups;
     for (int64_t t = 0; t < Tq; t += per) {
       switch (std::min<int64_t>(per, Tq - t)) {
-        case 1: values_pass512<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 2: values_pass512<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 3: values_pass512<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 4: values_pass512<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 5: values_pass512<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        default: values_pass512<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 1: values512<1, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 2: values512<2, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 3: values512<3, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 4: values512<4, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        case 5: values512<5, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+        default: values512<6, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
       }
     }
     return;
   }
   for (int64_t t = 0; t < Tq; t += 8) {
     switch (std::min<int64_t>(8, Tq - t)) {
-      case 1: values_group512<1>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 2: values_group512<2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 3: values_group512<3>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 4: values_group512<4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 5: values_group512<5>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 6: values_group512<6>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 7: values_group512<7>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      default: values_group512<8>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 1: values512<1, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 2: values512<2, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 3: values512<3, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 4: values512<4, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 5: values512<5, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 6: values512<6, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 7: values512<7, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      default: values512<8, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
     }
   }
 }

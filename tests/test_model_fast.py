@@ -319,7 +319,7 @@ def test_attention_matches_reference(dtype, D, T):
 def test_attention_value_chunks_keep_each_querys_bits(dtype, T):
     """Several queries sum their values in one pass over chunks of 64 value rows (csrc:
     softmax_values_chunked_avx2), with AVX-512 in one pass over the rows (2..9 queries in groups
-    of up to 6: values_pass512) or in groups of 8 (more): over 150 keys (three chunks, the last
+    of up to 6: values512) or in groups of 8 (more): over 150 keys (three chunks, the last
     partial) with each query's own number of keys, within or across chunks, every output has the
     bits of that query alone, of the AVX2 and the scalar levels, and matches the reference."""
     gen = torch.Generator().manual_seed(T)
