@@ -1,6 +1,7 @@
-// The encoder's self-attention on AVX2 CPUs: softmax(q kᵀ) v over all T positions of every head,
-// read straight from the fused q/k/v projection's output (q pre-scaled) and written in the
-// [T, heads · head_dim] layout the out projection reads.
+// The encoder's self-attention on AVX2 CPUs: softmax(q kᵀ) v over all T positions of every head
+// (or within runs of `block` positions: a draft's block-local layers), read straight from the
+// fused q/k/v projection's output (q pre-scaled) and written in the [T, heads · head_dim] layout
+// the out projection reads.
 //
 // Spec: `encoder_attention_reference` in specwhisper/backends/cpu_ops.py (the same product in
 // float64 and torch's scaled_dot_product_attention). Included by decode_ops.cpp inside its
