@@ -1761,8 +1761,8 @@ void q8_matmul(const float* xp, int64_t M, int64_t K, const int8_t* qp, int64_t 
 }
 
 // x [..., K] @ (scale[n] * q[n])^T + bias -> float32, with q int8 in the screen's block layout
-// [N/8, K/8, 8, 8]: a quarter of float32's bytes. For drafts only (proposals; the target
-// verifies them). The screen's kernels: 8 lane sums per output, hsum8, at every vector level.
+// [N/8, K/8, 8, 8]: a quarter of float32's bytes, x's rows rounded to 16 bits (q8_matmul). For
+// drafts only (proposals; the target verifies them). The same outputs at every vector level.
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
