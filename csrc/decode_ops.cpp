@@ -1802,7 +1802,7 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
 // 0.82 / 1.11 -> 0.86 / 1.36 ms, 5 queries 1.49 / 1.79 -> 2.11 / 2.25). Its keys are read as
 // matmul_range's 4 long streams instead (attention_impl).
 constexpr int64_t kAttnPrefetch = 4096;
-constexpr int64_t kOwnValuePass = 9;  // AVX-512: 2..this many queries take values512's one pass, more its halves
+constexpr int64_t kOwnValuePass = 9;  // AVX-512: 2..this many queries in groups of up to 6, more of up to 8
 constexpr int64_t kValueChunk = 64;  // value rows per chunk (softmax_values_chunked_avx2)
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead: float32 rows (the target's,
@@ -1939,9 +1939,10 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void values512(const f
   }
 }
 
-// Softmax-weighted value sums of Tq >= 2 queries (D == 64) with AVX-512: weights per query, then up
-// to kOwnValuePass queries (a verify pass) in one pass over the value rows (values512, R = 4, groups
-// of up to 6), more (a prompt pass) in groups of up to 8 (R = 2).
+// Softmax-weighted value sums of Tq >= 2 queries (D == 64) with AVX-512: weights per query, then the
+// value sums in balanced groups (values512): up to kOwnValuePass queries (a verify pass) in groups of
+// up to 6, each in one pass over the value rows (R = 4), more (a prompt pass) in groups of up to 8
+// (7 or 8: two passes, R = 2).
 template <typename T>
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_multi512(float* scores, int64_t ld,
                                                                                      const int64_t* n, int64_t Tq,
@@ -1955,28 +1956,16 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_mu
     total[t] = softmax_weights_avx2(st, n[t], max_avx2(st, n[t]));
     w[t] = st, o[t] = out + t * 64;
   }
-  if (Tq <= kOwnValuePass) {
-    const int64_t groups = (Tq + 5) / 6, per = (Tq + groups - 1) / groups;
-    for (int64_t t = 0; t < Tq; t += per) {
-      switch (std::min<int64_t>(per, Tq - t)) {
-        case 1: values512<1, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 2: values512<2, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 3: values512<3, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 4: values512<4, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        case 5: values512<5, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-        default: values512<6, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      }
-    }
-    return;
-  }
-  for (int64_t t = 0; t < Tq; t += 8) {
-    switch (std::min<int64_t>(8, Tq - t)) {
-      case 1: values512<1, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 2: values512<2, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 3: values512<3, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 4: values512<4, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 5: values512<5, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
-      case 6: values512<6, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+  // balanced groups: of up to 6 queries (a verify pass) or 8 (a prompt pass); up to 6 in one pass
+  const int64_t most = Tq <= kOwnValuePass ? 6 : 8, groups = (Tq + most - 1) / most, per = (Tq + groups - 1) / groups;
+  for (int64_t t = 0; t < Tq; t += per) {
+    switch (std::min<int64_t>(per, Tq - t)) {
+      case 1: values512<1, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 2: values512<2, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 3: values512<3, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 4: values512<4, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 5: values512<5, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
+      case 6: values512<6, 4>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
       case 7: values512<7, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
       default: values512<8, 2>(&w[t], n + t, &total[t], v, vs, &o[t]); break;
     }
