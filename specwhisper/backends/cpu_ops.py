@@ -158,15 +158,15 @@ def linear_q8_reference(x, packed, scale, bias=None):
 
     n_blocks, k8 = packed.shape[:2]
     K = k8 * 8
-    q = packed.transpose(1, 2).reshape(n_blocks * 8, K).long()
+    q = packed.transpose(1, 2).reshape(n_blocks * 8, K).double()
     rows = x.reshape(-1, K).float()
     top = rows.abs().amax(dim=1, keepdim=True)
     finite = rows.isfinite().all(dim=1, keepdim=True)
     s = top / q16_range(K)
-    p = torch.where(s > 0, torch.round(rows / torch.where(s > 0, s, 1.0)), 0.0).long()
+    p = torch.where(s > 0, torch.round(rows / torch.where(s > 0, s, 1.0)), 0.0)
     s = torch.where(finite, s, torch.full_like(s, float("nan")))
-    p = torch.where(finite, p, 0)
-    P = (p @ q.T).float()  # exact int64 sums, rounded to float32 as the kernels' int32 sums are
+    p = torch.where(finite, p, 0.0).double()
+    P = (p @ q.T).float()  # integer sums, exact in float64, rounded to float32 as the kernels' are
     out = (P * s) * scale
     out = out if bias is None else out + bias.float()
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)
