@@ -3,6 +3,10 @@ equal to float rounding, independent of batch neighbours, rebuilt after weights 
 real base model's greedy tokens unchanged on long speech."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +107,46 @@ def test_int8_weights_from_either_engine_stay_close_and_leave_the_global_engine(
         y, ref = encoder_cpu.linear(x, packed), x @ w.T + b
     assert y.shape == ref.shape and not torch.equal(y, ref)
     assert ((y - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.03
+
+
+SATURATING_PRODUCT = """
+import json, sys, torch
+from specwhisper.model import encoder_cpu
+torch.manual_seed(0)
+# rows of large activations against large weights of one sign: every pair of u8 x s8 products
+# overflows a saturating int16 where the packed weights reach 127 (AVX2 without VNNI)
+w = (0.9 + 0.1 * torch.rand(96, 256)) * torch.where(torch.rand(96, 1) < 0.5, -1.0, 1.0)
+x = 1 + 0.5 * torch.rand(40, 256)
+b = torch.randn(96)
+with torch.no_grad():
+    y = encoder_cpu.linear(x, encoder_cpu.int8_pack(w, b))
+ref = x @ w.T + b
+print(json.dumps({"weight_max": encoder_cpu.int8_weight_max(),
+                  "err": float(((y - ref).norm(dim=1) / ref.norm(dim=1)).max())}))
+"""
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["native", "held-to-avx2"])
+def test_int8_products_stay_close_where_the_kernels_would_saturate(held):
+    """Without VNNI (AVX2-only CPUs, or torch's libraries held to AVX2) the int8 kernels add pairs
+    of u8 x s8 products into saturating int16s: `int8_pack` then keeps weights within 63, so such
+    products stay close to float32's (packed at 127 they read 0.64 of their value, held to AVX2). In a fresh
+    process, natively and with oneDNN and fbgemm held to AVX2."""
+    if not encoder_cpu.int8_usable():
+        pytest.skip("this torch has no fbgemm int8 linear")
+    env = dict(os.environ)
+    for name in ("DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS"):
+        env.pop(name, None)
+    if held:
+        env.update(DNNL_MAX_CPU_ISA="AVX2", FBGEMM_ENABLE_INSTRUCTIONS="AVX2")
+    done = subprocess.run([sys.executable, "-c", SATURATING_PRODUCT], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["weight_max"] in (63, 127)
+    if held:
+        assert out["weight_max"] == 63  # AVX2 alone has no VNNI: the probe must see the saturation
+    assert out["err"] < 0.03, out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

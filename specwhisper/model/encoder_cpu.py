@@ -38,7 +38,8 @@ The reordered weights are cached on the encoder and rebuilt when any parameter c
 
 A draft's own encoder may run its four projections per layer and conv2 in int8 instead (`int8=True`,
 `Whisper.int8_encoder`: torch's dynamic int8 GEMM, weights per output row packed by oneDNN's engine
-(`_pack_int8`), activations per call): 1.5x faster than float32 with fbgemm's AVX2 kernels (4x with
+(`_pack_int8`; within ±63 where the kernels lack VNNI and would saturate: `int8_weight_max`),
+activations per call): 1.5x faster than float32 with fbgemm's AVX2 kernels (4x with
 its AVX-512 VNNI ones), oneDNN's a fifth to a third faster again, for a CPU
 without bfloat16 arithmetic. A draft only proposes, so the
 verified output stays exact; a target's encoder never takes it. Such an encoder's layers (but the
@@ -47,6 +48,7 @@ run on the means of adjacent positions (`Whisper.pool_encoder`), on either path.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -171,17 +173,21 @@ def _pack_weights(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> tuple[
 INT8_ENGINE = "onednn"  # the quantized engine that packs a draft encoder's int8 weights (else fbgemm)
 
 
-def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
-    """Prepacked int8 weights (per output row: q = round(w / s), s = max|w| / 127) for torch's
+def _int8_engine() -> str:
+    return INT8_ENGINE if INT8_ENGINE in torch.backends.quantized.supported_engines else "fbgemm"
+
+
+def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int, qmax: int | None = None):
+    """Prepacked int8 weights (per output row: q = round(w / s), s = max|w| / qmax) for torch's
     dynamic int8 linear, packed by oneDNN's quantized engine where this torch has it (the packed
     object carries its engine: `linear_dynamic` runs oneDNN's kernel whatever the global engine),
     else fbgemm's. tiny.en's draft encoder (int8, block-local), one 30 s window, 2 threads of a
     Zen 4 EPYC alternated in one process: 86.6 ms with fbgemm's, 68.7 ms with oneDNN's; held to
-    AVX2 157.6 -> 106.0 ms."""
+    AVX2 157.6 -> 106.0 ms. qmax (default `int8_weight_max()`): 127, or 63 where the kernels
+    would saturate."""
     w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
-    engines = torch.backends.quantized.supported_engines
-    engine = INT8_ENGINE if INT8_ENGINE in engines else "fbgemm"
+    scale = (w.abs().amax(1) / (qmax or int8_weight_max())).clamp(min=1e-12).double()
+    engine = _int8_engine()
     before = torch.backends.quantized.engine
     with warnings.catch_warnings():  # quantized tensors are marked deprecated in torch; the op is what runs
         warnings.simplefilter("ignore")
@@ -191,6 +197,31 @@ def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int):
             return torch.ops.quantized.linear_prepack(q, bias.detach().float())
         finally:
             torch.backends.quantized.engine = before
+
+
+def int8_weight_max() -> int:
+    """The largest int8 weight `_pack_int8` uses: 127, or 63 where the int8 kernels would saturate.
+
+    Without VNNI (any AVX2-only CPU, or ops held to AVX2) the kernels multiply unsigned 8-bit
+    activations by int8 weights with `vpmaddubsw`, which adds each pair of products into a
+    saturating int16: 2 · 255 · 127 = 64770 overflows it, so rows with large activations against
+    large weights came out wrong (random [300, 64] x [64, 96] products: 13.9% relative error against
+    1.6% with VNNI). Weights of at most 63 keep every pair under 2^15 (2 · 255 · 63 = 32130): 2.0%
+    there, where torch's other remedy, 7-bit activations (`reduce_range`, per call and per tensor),
+    measured 3.0%. A product that saturates decides: ones [1, 64] against weights at 127 sum to 64,
+    and to about half that where pairs saturate; the probe reads what this process's kernels do
+    (the CPU, and the variables that hold torch's libraries to AVX2: `DNNL_MAX_CPU_ISA` for
+    oneDNN's engine, `FBGEMM_ENABLE_INSTRUCTIONS` for fbgemm's), once per engine."""
+    return _weight_max(_int8_engine()) if int8_usable() else 127
+
+
+@functools.cache
+def _weight_max(engine: str) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed = _pack_int8(torch.ones(8, 64), torch.zeros(8), 0, qmax=127)
+        y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), packed)
+    return 127 if bool(((y - 64).abs() < 1).all()) else 63
 
 
 def int8_pack(weight: torch.Tensor, bias: torch.Tensor):
