@@ -110,7 +110,7 @@ def test_int8_weights_from_either_engine_stay_close_and_leave_the_global_engine(
 
 
 SATURATING_PRODUCT = """
-import json, sys, torch
+import json, torch
 from specwhisper.model import encoder_cpu
 torch.manual_seed(0)
 # rows of large activations against large weights of one sign: every pair of u8 x s8 products
@@ -130,8 +130,8 @@ print(json.dumps({"weight_max": encoder_cpu.int8_weight_max(),
 def test_int8_products_stay_close_where_the_kernels_would_saturate(held):
     """Without VNNI (AVX2-only CPUs, or torch's libraries held to AVX2) the int8 kernels add pairs
     of u8 x s8 products into saturating int16s: `int8_pack` then keeps weights within 63, so such
-    products stay close to float32's (packed at 127 they read 0.64 of their value, held to AVX2). In a fresh
-    process, natively and with oneDNN and fbgemm held to AVX2."""
+    products stay close to float32's (packed at 127, held to AVX2, they read 0.64 of their value).
+    In a fresh process, natively and with oneDNN and fbgemm held to AVX2."""
     if not encoder_cpu.int8_usable():
         pytest.skip("this torch has no fbgemm int8 linear")
     env = dict(os.environ)
