@@ -177,17 +177,18 @@ def _int8_engine() -> str:
     return INT8_ENGINE if INT8_ENGINE in torch.backends.quantized.supported_engines else "fbgemm"
 
 
-def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int, qmax: int | None = None):
+def _pack_int8(weight: torch.Tensor, bias: torch.Tensor, rows: int, qmax: int | None = None,
+               engine: str | None = None):
     """Prepacked int8 weights (per output row: q = round(w / s), s = max|w| / qmax) for torch's
     dynamic int8 linear, packed by oneDNN's quantized engine where this torch has it (the packed
     object carries its engine: `linear_dynamic` runs oneDNN's kernel whatever the global engine),
     else fbgemm's. tiny.en's draft encoder (int8, block-local), one 30 s window, 2 threads of a
     Zen 4 EPYC alternated in one process: 86.6 ms with fbgemm's, 68.7 ms with oneDNN's; held to
     AVX2 157.6 -> 106.0 ms. qmax (default `int8_weight_max()`): 127, or 63 where the kernels
-    would saturate."""
+    would saturate; engine (default `_int8_engine()`): the quantized engine that packs them."""
     w = weight.detach().float()
     scale = (w.abs().amax(1) / (qmax or int8_weight_max())).clamp(min=1e-12).double()
-    engine = _int8_engine()
+    engine = engine or _int8_engine()
     before = torch.backends.quantized.engine
     with warnings.catch_warnings():  # quantized tensors are marked deprecated in torch; the op is what runs
         warnings.simplefilter("ignore")
@@ -219,7 +220,7 @@ def int8_weight_max() -> int:
 def _weight_max(engine: str) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        packed = _pack_int8(torch.ones(8, 64), torch.zeros(8), 0, qmax=127)
+        packed = _pack_int8(torch.ones(8, 64), torch.zeros(8), 0, qmax=127, engine=engine)
         y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), packed)
     return 127 if bool(((y - 64).abs() < 1).all()) else 63
 
