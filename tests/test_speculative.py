@@ -972,3 +972,33 @@ def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mel
     assert sampled.tokens == plain.tokens and sampled.stats.drafted > 0
     costs = pooled.drafter.measure_costs(pooled.device, torch.float32, rounds=1)
     assert costs["cost_ratio"] > 0 and (costs["setup_seconds"] > 0) == (not pooled.drafter.shared_encoder)
+
+
+def test_one_slow_verify_pass_does_not_write_a_good_draft_off():
+    """A draft whose calibration says it pays, whose first verify pass is timed slow against a
+    first plain pass timed fast (each about one standard deviation of this machine's timings: the
+    plain pass at 0.8 of the usual, the verify pass at 1.15), is probed again and drafts once its
+    passes time as usual. At the measured costs alone that one pass (1.75 plain passes for the 2
+    rows calibrated at 1.22) scaled every row count's extra cost 3.4x, no draft that is always
+    right paid, and no probe ever timed a pass again: the draft stayed off for the engine's life."""
+    from specwhisper.engine.draft import DraftLength
+
+    # base's distilled draft on a Zen 4 EPYC: isolated passes as bench/cpu.py timed them (2-5 rows
+    # 1.22, 1.52, 1.69, 2.05 plain passes), a draft step 0.22 of a pass
+    verify = [1.0, 1.0, 1.22, 1.52, 1.69, 2.05, 2.37, 2.7, 3.03, 3.36]
+    rule = DraftLength(None)
+    rule.calibrate(plain_seconds=1.0, verify_ratio=verify, cost_ratio=0.22, setup_seconds=0.6)
+    for _ in range(rule.COLD_STEPS):
+        rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
+    rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=0.8)  # timed fast
+    k = rule.k
+    assert k == 1  # the fast unit makes the draft's steps look dearer
+    rule.update(k, [1], [False], draft_seconds=0.22 * k, verify_seconds=1.15 * verify[k + 1])  # timed slow
+    assert rule.best(always_right=True)[1] < rule.MARGIN  # at the measured costs alone: hopeless
+    ks = []
+    for i in range(300):  # then every pass as calibrated; most proposals accepted
+        k = rule.k
+        ks.append(k)
+        rule.update(k, [min(k, [4, 3, 4, 2][i % 4])], [False], draft_seconds=0.22 * k,
+                    verify_seconds=verify[k + 1] if k else 1.0)
+    assert rule.on and sum(k > 1 for k in ks[-100:]) > 80, ks

@@ -523,8 +523,9 @@ class DraftLength:
     model and is measured anew; while speculation is off, a k = 1 probe keeps the acceptance fresh
     and its own rate stands for the measured one (the stretch that switched speculation off no
     longer decides), after 16 plain steps and then, while probes keep losing, after twice as many
-    each time up to PROBE_MAX, but only where a draft that is always right would pay (so a self
-    draft, or one whose setup outweighs any saving, never drafts), and, when a draft's start costs
+    each time up to PROBE_MAX, but only where a draft that is always right would pay (at the lower
+    of the measured and calibrated verify costs, `always_right_gain`; so a self draft, or one
+    whose setup outweighs any saving, never drafts), and, when a draft's start costs
     more than CHEAP_SETUP plain passes (its own encoder), only in windows whose draft runs already
     (the engine does not let a probe pay that encoder). The first iterations are plain steps
     (COLD_STEPS untimed, then one timed); an engine's first TRIAL speculative iterations are a
@@ -613,6 +614,7 @@ class DraftLength:
         self.cost_ratio = 0.3  # c: draft step / plain pass (prior until `calibrate`)
         self.verify_ratio = [1.0] * (MAX_K + 2)  # v(r), index r = rows (prior: flat, as on a GPU)
         self.calibrated_line = (0.0, 0.0)  # (a, b) of the line fitted to v(r) - 1 as calibrated (flat prior)
+        self.calibrated_verify = None  # v(r) as calibrated (`always_right_gain`)
         self.row_sum = [0.0] * (MAX_K + 2)  # decayed sums of the timings of passes over r rows ...
         self.row_weight = [0.0] * (MAX_K + 2)  # ... and their decayed counts
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
@@ -652,6 +654,7 @@ class DraftLength:
         """Start from measured pass costs (`Drafter.measure_costs`) instead of the priors."""
         self.plain_pass = plain_seconds if self.plain_pass is None else self.plain_pass
         self.verify_ratio = list(verify_ratio)
+        self.calibrated_verify = list(verify_ratio)
         self.calibrated_line = fit_line([(r - 2, 1.0, v - 1.0) for r, v in enumerate(verify_ratio) if r >= 2])
         self.cost_ratio = cost_ratio
         self.cost_floor = 1.0 if cost_ratio >= 1.0 else 0.0
@@ -676,6 +679,25 @@ class DraftLength:
             gains.append((1.0 / (cost / expected + s), k))
         gain, k = max(gains)
         return k, gain
+
+    def always_right_gain(self) -> float:
+        """The gain of the best k were every proposal accepted, at the lower of each row count's
+        measured and calibrated verify cost: whether a draft may pay at all (its trial, and probes
+        while it is off). At the measured costs alone, one verify pass timed slow against a plain
+        pass timed fast wrote a good draft off for good: with a single row count timed, its extra
+        cost scales the whole line (`_new_verify_ratio`), no draft that is always right paid at
+        those costs, so no probe ever timed a pass again. Replayed on base's distilled draft (its
+        teacher-forced agreement on 14 bench windows, 3 passes an engine, costs and timing noise as
+        measured in the engine on a Zen 4 EPYC: CV 0.12 a pass and slow phases of 0.15), 7 engines
+        of 400 decoded at 0.94-0.98x of plain steps where the rest ran 1.24x or faster; none since."""
+        if self.calibrated_verify is None:
+            return self.best(always_right=True)[1]
+        measured = self.verify_ratio
+        self.verify_ratio = [min(m, c) for m, c in zip(measured, self.calibrated_verify)]
+        try:
+            return self.best(always_right=True)[1]
+        finally:
+            self.verify_ratio = measured
 
     def _track(self, current, tokens: float, seconds: float):
         t, s = current if current is not None else (0.0, 0.0)
@@ -761,7 +783,7 @@ class DraftLength:
 
     def pays(self) -> bool:
         if self.spec_iters < self.TRIAL:  # the trial (TRIAL)
-            return self.best(always_right=True)[1] > (self.MARGIN if self.setup_is_cheap() else 1.0)
+            return self.always_right_gain() > (self.MARGIN if self.setup_is_cheap() else 1.0)
         # hysteresis against switching back and forth; before any speculative iteration the
         # acceptance is a prior (0.8: tiny.en's 0.89 measured on AVX-512 looked 0.92-1.05 from it)
         restart = not self.on and self.spec is not None and not self.setup_is_cheap() and not self.paid
@@ -817,7 +839,7 @@ class DraftLength:
             self.on = self.pays()
             if self.on:
                 self.k = self.best()[0]
-            elif self.best(always_right=True)[1] > self.MARGIN:
+            elif self.always_right_gain() > self.MARGIN:
                 self.until_probe -= 1
                 self.k = 1 if self.until_probe <= 0 else 0
             else:
