@@ -1,0 +1,199 @@
+"""Replay the adaptive k on a draft's teacher-forced agreement, without timing noise deciding.
+
+Question answered: how close does the adaptive controller (`engine.draft.DraftLength`) come to the
+best fixed k for a shared-encoder draft, and how often does timing noise lead it astray? Timed runs
+move ±15% between minutes on a shared machine, more than the differences between controller rules.
+Here acceptance is exact and the timings are a model: greedy speculation from position t keeps
+min(k, L(t)) proposals, where L(t) is the run of positions from t at which the draft's argmax under
+teacher forcing equals the target's token (the draft's inputs are the target's prefix until its
+first miss), so one teacher-forced pass per window gives every k's outcome. The costs come from the
+engine: a plain step, and per fixed k the draft steps and the verify pass, each timed inside the
+engine on the same windows (or `--costs FILE`, JSON of such a run). Each replayed engine then gets
+per-pass timing noise (`--noise`, a coefficient of variation) and slow phases shared by every pass
+(`--phase`, an AR(1) in log time), and the controller decides from those noisy timings as in the
+engine (the rule's own code, driven as `engine.speculation` drives it for one row).
+
+    python bench/replay.py --draft base-2l --windows 14 --engines 200
+    python bench/replay.py --draft ~/drafts/mine --costs costs.json --noise 0.08 --phase 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specwhisper.engine.draft import MAX_K, DraftLength  # noqa: E402
+
+KS = range(1, MAX_K + 1)
+
+
+def agreement_runs(target, draft, audios) -> list[list[bool]]:
+    """Per window: whether the draft's argmax equals the target's greedy token at each position
+    after the prompt (EOT last), under teacher forcing on the target's tokens."""
+    from specwhisper import Engine
+    from specwhisper.tools import distill
+
+    engine = Engine(target, background=False)
+    decoder = distill.init_draft_decoder(engine.target.model, 2)
+    try:
+        distill.load_draft_decoder(decoder, Path(draft))
+    except ValueError as e:
+        raise SystemExit(f"{draft}: not a 2-layer draft sharing the target's encoder ({e}); "
+                         "replay needs a `specwhisper distill` draft") from None
+    tok, captured = engine.target.tokenizer, []
+    hook = engine.target.model.encoder.register_forward_hook(lambda m, a, out: captured.append(out))
+    runs = []
+    with torch.inference_mode():
+        for audio in audios:
+            captured.clear()
+            result = engine.transcribe(audio, language="en")
+            k, v = distill.cross_kv(decoder, captured[0][:1].float())
+            seq = tok.prompt("en", "transcribe") + list(result.tokens) + [tok.eot]
+            hidden = distill.teacher_forced_hidden(decoder, k, v, torch.tensor([seq[:-1]]))
+            p = len(seq) - len(result.tokens) - 2
+            logits = decoder.logits(hidden[0, p:]).float().masked_fill(engine.target.suppress, -float("inf"))
+            runs.append((logits.argmax(-1) == torch.tensor(seq[p + 1:])).tolist())
+    hook.remove()
+    return runs
+
+
+def measure_costs(target, draft, audios, rounds: int) -> dict:
+    """Seconds of a plain step, and per fixed k of the draft steps (per token) and the verify pass,
+    timed inside the engine (`Speculation.end`'s clock) over `rounds` passes of the windows."""
+    from specwhisper import Engine
+    from specwhisper.engine import speculation
+
+    timed: dict = {}
+    original = speculation.Speculation.end
+
+    def end(self, progress):
+        original(self, progress)
+        draft_s, *_, verify_s = self.clock.intervals()
+        timed.setdefault(self.k, []).append((draft_s, verify_s))
+
+    plain = Engine(target, background=False)
+    fixed = {k: Engine(target, draft, background=False) for k in KS}
+    speculation.Speculation.end = end
+    try:
+        for r in range(rounds + 1):  # the first round warms up
+            if r == 1:
+                timed.clear()
+            for audio in audios:
+                plain.transcribe(audio, language="en")
+                for k, engine in fixed.items():
+                    engine.transcribe(audio, language="en", num_draft_tokens=k)
+    finally:
+        speculation.Speculation.end = original
+    step = statistics.median(v for _, v in timed[0])
+    return {"plain_s": step,
+            "c": [statistics.mean(d for d, _ in timed[k]) / k / step for k in KS],
+            "v": [statistics.mean(v for _, v in timed[k]) / step for k in KS]}  # v[k - 1]: k + 1 rows
+
+
+def run_length(match: list[bool], t: int) -> int:
+    n = 0
+    while t + n < len(match) and match[t + n]:
+        n += 1
+    return n
+
+
+def replay(runs, costs: dict, k: int | None, rounds: int = 3, seed: int = 0, noise: float = 0.0,
+           phase: float = 0.0, rho: float = 0.98, rule_class=DraftLength) -> tuple[float, list[int]]:
+    """Decode `runs` (`agreement_runs`) `rounds` times with fixed `k` or the adaptive rule (k None)
+    -> (speed against plain steps, iterations at each k). The first token of a window comes from
+    the prompt pass, as in the engine; a draft never proposes past the window's last token."""
+    rnd, state = random.Random(seed), [0.0]
+    c = lambda j: costs["c"][j - 1]  # noqa: E731
+    v = lambda j: costs["v"][j - 1]  # noqa: E731  (a pass over j + 1 rows)
+
+    def factor() -> float:
+        state[0] = rho * state[0] + math.sqrt(1 - rho * rho) * rnd.gauss(0.0, phase)
+        return math.exp(state[0] + rnd.gauss(0.0, noise))
+
+    rule = rule_class(k)
+    if k is None:  # the calibration's isolated passes: here the engine's own, 5% slower a step
+        rule.calibrate(plain_seconds=1.05, verify_ratio=[1.0, 1.0] + [v(j) for j in KS],
+                       cost_ratio=c(3), setup_seconds=0.6)
+    seconds = tokens = 0.0
+    hist = [0] * (MAX_K + 1)
+    for _ in range(rounds):
+        for match in runs:
+            t, started = 1, False
+            while t < len(match):
+                j = k if k is not None else rule.k
+                if k is None and not started and (rule.paid or rule.generated != t):
+                    rule.paid, rule.generated = False, t  # as `Speculation.choose_k` for a pending draft
+                    if rule.k > 0 and not rule.probing() and not rule.pays():
+                        rule.k = 0
+                    j = rule.k
+                j = max(0, min(j, len(match) - t))
+                hist[j] += 1
+                if j:
+                    started, kept = True, min(j, run_length(match, t))
+                    f = factor()
+                    draft_s, verify_s = j * c(j) * f * math.exp(rnd.gauss(0.0, noise)), v(j) * f
+                else:
+                    kept, draft_s, verify_s = 0, 0.0, factor()
+                t += kept + 1
+                seconds += draft_s + verify_s
+                if k is None:
+                    done = t >= len(match)
+                    rule.paid, rule.generated = not done and started, 0.0 if started else t
+                    rule.update(j, [kept], [done], draft_s, verify_s)
+                    if done:
+                        rule.window_done(len(match))
+            tokens += len(match) - 1
+    return tokens / seconds, hist
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="base")
+    p.add_argument("--draft", default="base-2l", help="a shared-encoder draft: `base-2l` or a distill folder")
+    p.add_argument("--windows", type=int, default=14)
+    p.add_argument("--costs", help="JSON of measured costs (as written to --out) instead of timing them")
+    p.add_argument("--rounds", type=int, default=2, help="timed passes over the windows per fixed k")
+    p.add_argument("--engines", type=int, default=100, help="replayed engines (seeds) for the adaptive k")
+    p.add_argument("--noise", type=float, default=0.12, help="per-pass timing noise (CV)")
+    p.add_argument("--phase", type=float, default=0.15, help="slow phases' spread (log time)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="write the measured costs here (JSON)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from bench.cpu import synthesize_windows
+    from specwhisper.tools.cli import model_folder
+
+    target, draft = model_folder(args.target), model_folder(args.draft)
+    with tempfile.TemporaryDirectory() as tmp:
+        audios = [torch.from_numpy(a) for a, _ in synthesize_windows(args.windows, Path(tmp))]
+    runs = agreement_runs(target, draft, audios)
+    costs = json.loads(Path(args.costs).read_text()) if args.costs else measure_costs(target, draft, audios, args.rounds)
+    if args.out:
+        Path(args.out).write_text(json.dumps(costs, indent=1))
+    positions = sum(map(len, runs))
+    print(f"{len(runs)} windows, {positions} positions, agreement {sum(map(sum, runs)) / positions:.3f}; "
+          f"plain step {1e3 * costs['plain_s']:.2f} ms")
+    print("| k | c (draft step / plain) | v (verify / plain) | tokens a pass | speed vs plain steps |\n|---|---|---|---|---|")
+    fixed = {}
+    for k in KS:
+        passes = sum(replay(runs, costs, k, rounds=1)[1])
+        fixed[k] = replay(runs, costs, k, rounds=1)[0]
+        print(f"| {k} | {costs['c'][k - 1]:.3f} | {costs['v'][k - 1]:.3f} | "
+              f"{(positions - len(runs)) / passes:.3f} | {fixed[k]:.3f} |")
+    best = max(fixed, key=fixed.get)
+    speeds = [replay(runs, costs, None, seed=s, noise=args.noise, phase=args.phase)[0] for s in range(args.engines)]
+    print(f"adaptive k, {args.engines} engines (noise {args.noise}, phases {args.phase}): mean "
+          f"{statistics.mean(speeds):.3f} ({statistics.mean(speeds) / fixed[best]:.3f} of k = {best}), "
+          f"worst {min(speeds):.3f}, below 1.0: {sum(s < 1.0 for s in speeds)}")
+
+
+if __name__ == "__main__":
+    main()

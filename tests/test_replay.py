@@ -1,0 +1,62 @@
+"""bench/replay.py: greedy speculation replayed on teacher-forced agreement runs with modelled costs."""
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import replay  # noqa: E402  (bench/replay.py)
+
+COSTS = {"plain_s": 1e-3, "c": [0.2] * 8, "v": [1.0 + 0.1 * k for k in range(1, 9)]}
+
+
+def test_a_fixed_k_keeps_what_the_runs_allow():
+    match = [True] * 10 + [False] + [True] * 5  # 16 positions; the prompt pass emits the first
+    assert [replay.run_length(match, t) for t in (0, 9, 10, 11, 15, 16)] == [10, 1, 0, 5, 1, 0]
+    speed, hist = replay.replay([match], COSTS, 3, rounds=1)
+    # from position 1: keeps 3 (t 5), 3 (t 9), 1 (t 11), 3 (t 15), then 1 of the 1 proposal room allows
+    assert hist[3] == 4 and hist[1] == 1 and sum(hist) == 5
+    assert speed == pytest.approx(15 / (4 * (3 * 0.2 + 1.3) + (0.2 + 1.1)))
+
+
+def test_the_adaptive_k_comes_near_the_best_fixed_k_and_never_loses_with_a_useless_draft():
+    rnd = random.Random(0)
+    good = [[rnd.random() < 0.9 for _ in range(80)] for _ in range(8)]  # 0.9 agreement, 80 tokens a window
+    fixed = max(replay.replay(good, COSTS, k, rounds=1)[0] for k in range(1, 9))
+    adaptive, hist = replay.replay(good, COSTS, None, rounds=3)
+    assert fixed > 1.5 and adaptive > 0.95 * fixed and sum(hist[2:]) > 0.8 * sum(hist)
+    useless = [[False] * 80 for _ in range(8)]
+    assert replay.replay(useless, COSTS, 1, rounds=1)[0] < 0.9  # drafting it costs
+    assert replay.replay(useless, COSTS, None, rounds=3)[0] >= 0.97  # the trial and probes, nothing more
+    # with timing noise (CV 0.12 a pass, phases of 0.15: plain steps alone average ≈ 0.98 here)
+    speeds = [replay.replay(useless, COSTS, None, rounds=3, seed=s, noise=0.12, phase=0.15)[0] for s in range(4)]
+    assert min(speeds) > 0.9
+
+
+@pytest.mark.real
+def test_agreement_runs_of_the_bundled_draft_match_the_engines_proposals():
+    """The teacher-forced runs of base-2l on a window of the bundled samples (six voices, 25 s)
+    predict what the engine keeps: at k = 1 an iteration keeps its proposal where the run says the
+    draft agrees."""
+    import torch
+
+    from conftest import real_folder
+    from specwhisper import Engine, load_audio
+    from specwhisper.samples import sample_paths
+
+    base, draft = real_folder("base"), real_folder("base-2l")
+    gap = torch.zeros(4000)
+    audio = torch.cat([torch.cat([torch.from_numpy(load_audio(p)), gap]) for p in sample_paths()[:6]])
+    runs = replay.agreement_runs(base, draft, [audio])
+    out = Engine(base, background=False).transcribe(audio, language="en")
+    assert len(runs) == 1 and len(runs[0]) == len(out.tokens) + 1  # every token, then EOT
+    agreement = sum(runs[0]) / len(runs[0])
+    assert 0.6 < agreement < 1.0
+    spec = Engine(base, draft, background=False).transcribe(audio, language="en", num_draft_tokens=1)
+    assert spec.tokens == out.tokens
+    _, hist = replay.replay(runs, COSTS, 1, rounds=1)
+    kept = len(out.tokens) - sum(hist)  # tokens after the prompt pass's, less one a pass
+    # the engine's draft runs its linear layers in bfloat16 where the CPU has it: a proposal or two
+    # may differ from the float32 teacher-forced argmax
+    assert abs(spec.stats.accepted - kept) <= max(2, 0.05 * len(out.tokens)), (spec.stats.accepted, kept)
