@@ -553,9 +553,16 @@ class DraftLength:
     # CLEAR: a refresh only guards a decision near the margin. base's distilled draft (1.5x decode)
     # spent 23 of its 375 iterations on plain steps, 2% of its decoding time
     CLEAR, CLEAR_SPREAD = 1.3, 4
-    DECAY = 0.9  # weight of the past in every running estimate (but the next)
-    RUN_DECAY = 0.97  # ... in the per-position acceptance counts (sparser: slower to forget)
-    PRIOR = 2.0  # weight of the pooled acceptance rate in each per-position estimate
+    DECAY = 0.9  # weight of the past in every running estimate (but the acceptance counts)
+    RUN_DECAY = 0.97  # ... in the acceptance counts, per position and pooled (sparser: slower to forget)
+    # weight of the pooled acceptance rate in each per-position estimate; the pooled rate decays as
+    # the counts it anchors (RUN_DECAY). At weight 2, decayed as the timings (DECAY: ten
+    # iterations), the sparse counts of late positions and a pooled rate of the last few proposals
+    # moved k from iteration to iteration: replayed (`bench/replay.py`: base's distilled draft, 14
+    # bench windows and the demo recording's long-form windows, the engine's measured costs of two
+    # memory phases, timings noise-free, noisy, and noisy with slow phases) the adaptive k reached
+    # 0.938 and 0.917 of the best fixed k's speed on average, 0.953 and 0.933 with these
+    PRIOR = 8.0
     MARGIN = 1.05  # speculation must promise, and measure, this much faster than plain steps
     # ... and this much to switch back on a draft whose start is not cheap (its own encoder pass
     # every window) once it has run: held to AVX2, tiny.en's estimate hovered about MARGIN
@@ -854,8 +861,8 @@ class DraftLength:
         self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)
         fail = sum(1 for a in rows if a < k) / max(len(rows), 1)
-        self.accepted = self.DECAY * self.accepted + succ
-        self.trials = self.DECAY * self.trials + succ + fail
+        self.accepted = self.RUN_DECAY * self.accepted + succ
+        self.trials = self.RUN_DECAY * self.trials + succ + fail
         self.reach = [self.RUN_DECAY * r for r in self.reach]
         self.hit = [self.RUN_DECAY * h for h in self.hit]
         for a in rows:
