@@ -35,7 +35,7 @@ def test_the_adaptive_k_comes_near_the_best_fixed_k_and_never_loses_with_a_usele
 
 
 @pytest.mark.real
-def test_agreement_runs_of_the_bundled_draft_match_the_engines_proposals():
+def test_agreement_runs_of_the_bundled_draft_match_the_engines_proposals(monkeypatch):
     """The teacher-forced runs of base-2l on a window of the bundled samples (six voices, 25 s)
     predict what the engine keeps: at k = 1 an iteration keeps its proposal where the run says the
     draft agrees."""
@@ -60,3 +60,9 @@ def test_agreement_runs_of_the_bundled_draft_match_the_engines_proposals():
     # the engine's draft runs its linear layers in bfloat16 where the CPU has it: a proposal or two
     # may differ from the float32 teacher-forced argmax
     assert abs(spec.stats.accepted - kept) <= max(2, 0.05 * len(out.tokens)), (spec.stats.accepted, kept)
+    # the costs timed inside the engine (k = 1 and 2 here, to keep it short): a draft step well
+    # under a plain step, verify passes over more rows no cheaper than a plain step
+    monkeypatch.setattr(replay, "KS", range(1, 3))
+    costs = replay.measure_costs(base, draft, [audio], rounds=1)
+    assert costs["plain_s"] > 0 and len(costs["c"]) == len(costs["v"]) == 2
+    assert all(0 < c < 1 for c in costs["c"]) and all(v > 0.9 for v in costs["v"]), costs
