@@ -184,8 +184,8 @@ def main() -> None:
     print("| k | c (draft step / plain) | v (verify / plain) | tokens a pass | speed vs plain steps |\n|---|---|---|---|---|")
     fixed = {}
     for k in KS:
-        passes = sum(replay(runs, costs, k, rounds=1)[1])
-        fixed[k] = replay(runs, costs, k, rounds=1)[0]
+        fixed[k], hist = replay(runs, costs, k, rounds=1)
+        passes = sum(hist)
         print(f"| {k} | {costs['c'][k - 1]:.3f} | {costs['v'][k - 1]:.3f} | "
               f"{(positions - len(runs)) / passes:.3f} | {fixed[k]:.3f} |")
     best = max(fixed, key=fixed.get)

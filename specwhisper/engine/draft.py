@@ -674,15 +674,17 @@ class DraftLength:
             return 0.0
         return self.setup / max(self.window_tokens - self.generated, self.window_tokens / 8)
 
-    def best(self, always_right: bool = False) -> tuple[int, float]:
-        """(k, gain) of the best k (`always_right`: were every proposal accepted)."""
+    def best(self, always_right: bool = False, verify: list[float] | None = None) -> tuple[int, float]:
+        """(k, gain) of the best k (`always_right`: were every proposal accepted; `verify`: these
+        verify costs v(r) instead of the running estimate)."""
+        verify = self.verify_ratio if verify is None else verify
         alpha = min(self.accepted / self.trials, 0.999)
         expected, survive, gains, s = 1.0, 1.0, [], self.setup_share()
         for k in range(1, MAX_K + 1):
             if not always_right:
                 survive *= (self.hit[k] + self.PRIOR * alpha) / (self.reach[k] + self.PRIOR)
             expected += survive
-            cost = k * self.cost_ratio + self.verify_ratio[k + 1]
+            cost = k * self.cost_ratio + verify[k + 1]
             gains.append((1.0 / (cost / expected + s), k))
         gain, k = max(gains)
         return k, gain
@@ -697,14 +699,9 @@ class DraftLength:
         teacher-forced agreement on 14 bench windows, 3 passes an engine, costs and timing noise as
         measured in the engine on a Zen 4 EPYC: CV 0.12 a pass and slow phases of 0.15), 7 engines
         of 400 decoded at 0.94-0.98x of plain steps where the rest ran 1.24x or faster; none since."""
-        if self.calibrated_verify is None:
-            return self.best(always_right=True)[1]
-        measured = self.verify_ratio
-        self.verify_ratio = [min(m, c) for m, c in zip(measured, self.calibrated_verify)]
-        try:
-            return self.best(always_right=True)[1]
-        finally:
-            self.verify_ratio = measured
+        lower = None if self.calibrated_verify is None else \
+            [min(m, c) for m, c in zip(self.verify_ratio, self.calibrated_verify)]
+        return self.best(always_right=True, verify=lower)[1]
 
     def _track(self, current, tokens: float, seconds: float):
         t, s = current if current is not None else (0.0, 0.0)
