@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specwhisper.engine.draft import MAX_K, DraftLength  # noqa: E402
+from specwhisper.engine.draft_length import MAX_K, DraftLength  # noqa: E402
 
 KS = range(1, MAX_K + 1)
 

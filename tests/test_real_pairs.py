@@ -320,7 +320,7 @@ def test_the_adaptive_k_times_the_passes_beside_its_k_on_a_real_pair(mels):
     token than the rule's best k, so at least two row counts of the engine's own verify passes
     are timed, and v(r) for r >= 2 is the line fitted to them (nondecreasing, in equal steps where
     above 1); the tokens are target-only's."""
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     class On(DraftLength):
         def pays(self) -> bool:

@@ -486,7 +486,7 @@ def test_a_clear_draft_keeps_its_refresh_cadence_across_windows():
     iterations across windows too: a window's start, whose own rate is not measured yet, keeps the
     verdict (read as not clear, every window start brought the refresh forward to 32 iterations,
     onto the window's first, slowest plain steps)."""
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     rule, ks = DraftLength(None), []
     for _ in range(12):  # windows of 20 iterations, each keeping one proposal (two tokens, 1.8x
@@ -508,7 +508,7 @@ def test_cold_plain_steps_do_not_set_the_unit_of_the_costs():
     of a run (the rule's plain pass 3.72 ms where steps took 3.0, tiny.en drafting). Here: a
     cheap, accurate draft; cold steps (a window's first COLD_STEPS, the step after a draft's)
     cost 1.6 passes, warm ones 1.0."""
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     rule, ks = DraftLength(None), []
     rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0] + [1.0 + 0.2 * (r - 1) for r in range(1, 10)],
@@ -534,7 +534,7 @@ def test_cold_plain_steps_do_not_set_the_unit_of_the_costs():
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     def step(rule, accepted_all: bool, draft_cost: float):
         k = rule.k  # k == 0: a plain step emitting one token
@@ -789,7 +789,7 @@ def test_adaptive_k_finds_the_best_k_where_the_calibration_misjudged_the_verify_
     >= 0.9 on each, and its v(r) ends within 0.1 of the engine's for the row counts about its k."""
     import random
 
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     accept = [0.85, 0.853, 0.862, 0.88, 0.955, 0.952, 0.95, 0.921]
     calibrated = [1.0, 1.0, 1.11, 1.11, 1.24, 1.52, 1.52, 1.52, 1.61, 1.74]
@@ -839,7 +839,7 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     when a window has been admitted since, before its draft's encoder pass is paid."""
     from types import SimpleNamespace
 
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
     from specwhisper.engine.runner import Progress
     from specwhisper.engine.speculation import Speculation
 
@@ -896,7 +896,7 @@ def test_plain_steps_right_after_speculation_are_not_timed():
     (base held to AVX2: 6.8 against 6.3 ms). A draft whose iterations cost 0.99 warm plain passes a
     token (1% faster than plain decoding, under the 5% margin), against 1.15 for such cold steps,
     must end up off; timing those cold steps, it stayed on."""
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     rule = DraftLength(None)
     rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.3, setup_seconds=0.0)
@@ -981,7 +981,7 @@ def test_one_slow_verify_pass_does_not_write_a_good_draft_off():
     passes time as usual. At the measured costs alone that one pass (1.75 plain passes for the 2
     rows calibrated at 1.22) scaled every row count's extra cost 3.4x, no draft that is always
     right paid, and no probe ever timed a pass again: the draft stayed off for the engine's life."""
-    from specwhisper.engine.draft import DraftLength
+    from specwhisper.engine.draft_length import DraftLength
 
     # base's distilled draft on a Zen 4 EPYC: isolated passes as bench/cpu.py timed them (2-5 rows
     # 1.22, 1.52, 1.69, 2.05 plain passes), a draft step 0.22 of a pass

@@ -1,5 +1,5 @@
 """The speculation controller: each iteration's k, and the clocks and setup charges that feed the
-adaptive k (`draft.DraftLength`), kept out of the engine's iteration.
+adaptive k (`draft_length.DraftLength`), kept out of the engine's iteration.
 
 `begin(B)` picks k (the largest a row asks for; adaptive rows follow the drafter's running
 estimate) and starts the drafts of rows whose draft is still pending (the setup of a draft with its
@@ -14,7 +14,7 @@ import time
 
 from ..backends import Backend
 from ..constants import MAX_DRAFT_TOKENS
-from .draft import DraftLength
+from .draft_length import DraftLength
 
 
 class Speculation:
