@@ -75,5 +75,6 @@ def main() -> None:
         (args.out / "cotenant.json").write_text(json.dumps(dict(machine=cpu_model(), rows=rows), indent=1))
         (args.out / "cotenant.md").write_text("\n".join(lines) + "\n")
 
+
 if __name__ == "__main__":
     main()

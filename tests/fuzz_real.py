@@ -36,19 +36,22 @@ from specwhisper.samples import demo_recording
 SR = 16000
 
 
-def engines(base, tiny, b2l, small: bool = False) -> dict[str, list[tuple[str, Engine]]]:
-    """{target: [(name, engine), ...]}, the target alone first; `small`: a few pairs only."""
-    pairs = {"base": [("base", Engine(base)), ("base+base-2l", Engine(base, b2l)),
-                      ("base+tiny.en", Engine(base, tiny))],
-             "tiny.en": [("tiny.en", Engine(tiny)), ("tiny.en+base", Engine(tiny, base))]}
+def engines(base, tiny, b2l, small: bool = False, background: bool = True) -> dict[str, list[tuple[str, Engine]]]:
+    """{target: [(name, engine), ...]}, the target alone first; `small`: a few pairs only;
+    `background`: False runs each case's iterations in the calling thread (`Engine.run_until`)."""
+    def make(target, draft=None, **kwargs):
+        return Engine(target, draft, background=background, **kwargs)
+
+    pairs = {"base": [("base", make(base)), ("base+base-2l", make(base, b2l)), ("base+tiny.en", make(base, tiny))],
+             "tiny.en": [("tiny.en", make(tiny)), ("tiny.en+base", make(tiny, base))]}
     if not small:
-        pairs["base"] += [("base+self", Engine(base, base)),
-                          ("base+base-2l graph path", Engine(base, b2l, cuda_graphs=True)),
-                          ("base+base-2l float32", Engine(base, b2l, compact_draft=False, max_batch=3)),
-                          ("base+base-2l rejection", Engine(base, b2l, sampling="rejection", max_batch=2)),
-                          ("base+tiny.en pruned head", Engine(base, tiny, draft_head_tokens=4096))]
-        pairs["tiny.en"] += [("tiny.en+self", Engine(tiny, tiny)), ("tiny.en+base-2l", Engine(tiny, b2l)),
-                             ("tiny.en+base rejection", Engine(tiny, base, sampling="rejection"))]
+        pairs["base"] += [("base+self", make(base, base)),
+                          ("base+base-2l graph path", make(base, b2l, cuda_graphs=True)),
+                          ("base+base-2l float32", make(base, b2l, compact_draft=False, max_batch=3)),
+                          ("base+base-2l rejection", make(base, b2l, sampling="rejection", max_batch=2)),
+                          ("base+tiny.en pruned head", make(base, tiny, draft_head_tokens=4096))]
+        pairs["tiny.en"] += [("tiny.en+self", make(tiny, tiny)), ("tiny.en+base-2l", make(tiny, b2l)),
+                             ("tiny.en+base rejection", make(tiny, base, sampling="rejection"))]
     return pairs
 
 
@@ -130,6 +133,8 @@ def run(engine: Engine, requests) -> list[tuple]:
             futures.append(engine.submit(x, **options))
         except Exception as e:  # noqa: BLE001 - compared across engines
             futures.append(e)
+    if not engine.background:
+        engine.run_until([f for f in futures if not isinstance(f, Exception)])
     out = []
     for f in futures:
         if isinstance(f, Exception):
