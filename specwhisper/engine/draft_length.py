@@ -3,8 +3,6 @@
 costs (`Drafter.costs`, draft.py) and the acceptance observed per proposal position."""
 from __future__ import annotations
 
-import time
-
 from ..constants import MAX_ADAPTIVE_K as MAX_K
 
 
