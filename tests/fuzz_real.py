@@ -115,14 +115,10 @@ def draw_options(rng: random.Random, target: str) -> dict:
 
 
 def summary(tr) -> dict:
-    """What must be equal: text, tokens, language, and each segment's timing, text, tokens,
-    temperature, scores (4 decimals) and words."""
+    """What must be equal: text, tokens, language, duration and every segment as openai's dict
+    (`Segment.to_dict`: timing, text, tokens, temperature, scores, words), to the bit."""
     return dict(text=tr.text, tokens=list(tr.tokens), language=tr.language, duration=tr.duration,
-                segments=[(s.seek, s.start, s.end, s.text, list(s.tokens), s.temperature, round(s.avg_logprob, 4),
-                           round(s.no_speech_prob, 4),
-                           None if s.words is None else [(w.word, w.start, w.end, round(w.probability, 4))
-                                                         for w in s.words])
-                          for s in tr.segments])
+                segments=[s.to_dict() for s in tr.segments])
 
 
 def run(engine: Engine, requests) -> list[tuple]:
