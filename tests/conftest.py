@@ -72,3 +72,12 @@ def float16(ckpt_dir):
 @pytest.fixture(scope="session")
 def v3(ckpt_dir):
     return ckpt_dir("v3", vocab_size=51866, n_mels=128, d_model=80, heads=5, seed=3)
+
+
+@pytest.fixture(scope="session")
+def recording(tmp_path_factory):
+    """≈ 62 s of flite speech (several voices, pauses), made once for the long-form, engine and
+    word-timestamp modules (their openai-whisper references: `whisper_ref.openai_transcribe`)."""
+    from whisper_ref import flite_audio_or_skip
+
+    return flite_audio_or_skip(tmp_path_factory, "longform", 62.0, seed=3)

@@ -181,21 +181,12 @@ def test_reference_window_decoder_runs_a_random_model(english):
 
 
 @pytest.fixture(scope="module")
-def recording(tmp_path_factory):
-    from whisper_ref import flite_audio_or_skip
-
-    return flite_audio_or_skip(tmp_path_factory, "longform", 62.0, seed=3)
-
-
-@pytest.fixture(scope="module")
-def base_pair():
+def base_model():
     from conftest import real_folder
-    from whisper_ref import openai_whisper
 
     from specwhisper.engine.decoding import LoadedModel
 
-    folder = real_folder("base")
-    return LoadedModel.load(folder, torch.device("cpu"), torch.float32), openai_whisper(folder)
+    return LoadedModel.load(real_folder("base"), torch.device("cpu"), torch.float32)
 
 
 def ours(model, audio, **options):
@@ -217,13 +208,14 @@ def assert_same(out, ref):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_parity_with_openai_whisper(base_pair, recording):
+def test_parity_with_openai_whisper(base_model, recording):
     """Default fallback temperatures and previous-text conditioning: identical segments and text;
     with fallback off (temperature 0.0) too, since no window needed the fallback."""
-    import whisper
+    from conftest import real_folder
+    from whisper_ref import openai_transcribe
 
-    model, reference = base_pair
-    ref = whisper.transcribe(reference, recording, language="en", fp16=False)
+    model = base_model
+    ref = openai_transcribe(real_folder("base"), recording, language="en")
     assert len(ref["segments"]) >= 8 and all(s["temperature"] == 0.0 for s in ref["segments"])
     out = ours(model, recording)
     assert_same(out, ref)
@@ -234,13 +226,14 @@ def test_parity_with_openai_whisper(base_pair, recording):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_parity_without_conditioning_with_initial_prompt(base_pair, recording):
-    import whisper
+def test_parity_without_conditioning_with_initial_prompt(base_model, recording):
+    from conftest import real_folder
+    from whisper_ref import openai_transcribe
 
-    model, reference = base_pair
+    model = base_model
     prompt = "Trains, museums and frogs."
-    ref = whisper.transcribe(reference, recording, language="en", fp16=False, temperature=0.0,
-                             condition_on_previous_text=False, initial_prompt=prompt)
+    ref = openai_transcribe(real_folder("base"), recording, language="en", temperature=0.0,
+                            condition_on_previous_text=False, initial_prompt=prompt)
     out = ours(model, recording, temperature=0.0, condition_on_previous_text=False, initial_prompt=prompt)
     assert_same(out, ref)
 

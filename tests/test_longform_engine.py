@@ -7,22 +7,14 @@ import torch
 
 from conftest import real_folder
 from specwhisper import Engine
-from test_longform import assert_same, recording  # noqa: F401 (the 62 s flite recording fixture)
-
-
-@pytest.fixture(scope="module")
-def openai_base():
-    from whisper_ref import openai_whisper
-
-    return openai_whisper(real_folder("base"))
+from test_longform import assert_same
+from whisper_ref import openai_transcribe
 
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_engine_longform_equals_openai_whisper_and_speculation_is_exact(openai_base, recording):
-    import whisper
-
-    ref = whisper.transcribe(openai_base, recording, language="en", fp16=False)
+def test_engine_longform_equals_openai_whisper_and_speculation_is_exact(recording):
+    ref = openai_transcribe(real_folder("base"), recording, language="en")
     base, tiny = real_folder("base"), real_folder("tiny.en")
     plain = Engine(base).transcribe(recording, language="en")
     assert_same(plain, ref)
@@ -35,12 +27,10 @@ def test_engine_longform_equals_openai_whisper_and_speculation_is_exact(openai_b
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_engine_longform_initial_prompt_no_conditioning(openai_base, recording):
-    import whisper
-
+def test_engine_longform_initial_prompt_no_conditioning(recording):
     prompt = "Trains, museums and frogs."
-    ref = whisper.transcribe(openai_base, recording, language="en", fp16=False, temperature=0.0,
-                             condition_on_previous_text=False, initial_prompt=prompt)
+    ref = openai_transcribe(real_folder("base"), recording, language="en", temperature=0.0,
+                            condition_on_previous_text=False, initial_prompt=prompt)
     out = Engine(real_folder("base"), real_folder("base")).transcribe(
         recording, language="en", temperature=0.0, condition_on_previous_text=False, initial_prompt=prompt)
     assert_same(out, ref)

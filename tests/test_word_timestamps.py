@@ -11,7 +11,7 @@ import pytest
 
 from conftest import real_folder
 from specwhisper import Engine
-from test_longform import assert_same, recording  # noqa: F401 (the 62 s flite recording fixture)
+from test_longform import assert_same
 
 
 def words_of(segments, key=lambda w: (w.word, w.start, w.end)):

@@ -34,6 +34,30 @@ def openai_name(key: str) -> str:
     return f"{part}.{top.get(rest, rest)}"
 
 
+_TRANSCRIBED: dict = {}
+
+
+def openai_transcribe(folder: Path, audio: np.ndarray, **options) -> dict:
+    """`whisper.transcribe(openai_whisper(folder), audio, fp16=False, **options)`, computed once per
+    session for the same weights, audio bytes and options (a fresh deep copy each call): the
+    long-form, engine and word-timestamp modules compare against the same references, each an
+    openai-whisper run of ≈ 10 s on base. The runs are deterministic: greedy, and a fallback's
+    sampling (which draws from torch's global generator) is asserted absent where it matters."""
+    import copy
+    import hashlib
+
+    import whisper
+
+    key = (str(folder), hashlib.sha256(np.ascontiguousarray(audio).tobytes()).hexdigest(),
+           repr(sorted(options.items())))
+    if key not in _TRANSCRIBED:
+        model = openai_whisper(folder)
+        if options.get("word_timestamps"):
+            model.set_alignment_heads(whisper._ALIGNMENT_HEADS[Path(folder).name])
+        _TRANSCRIBED[key] = whisper.transcribe(model, audio, fp16=False, **options)
+    return copy.deepcopy(_TRANSCRIBED[key])
+
+
 def openai_whisper(folder: Path, dtype=torch.float32):
     """`whisper.model.Whisper` holding the weights of our checkpoint folder."""
     from whisper.model import ModelDimensions, Whisper
