@@ -1,7 +1,7 @@
 """Word timestamps through the engine: equal to openai-whisper's `transcribe(word_timestamps=True)`
-on the same base weights (target-only, drafted by tiny.en and by itself, with and without
-previous-text conditioning, with `hallucination_silence_threshold`); the alignment pass batched
-over windows equals it window by window; bad requests are refused."""
+on the same base weights (`whisper_ref.openai_transcribe`), target-only, drafted by tiny.en and by
+itself, with and without previous-text conditioning, with `hallucination_silence_threshold`; the
+alignment pass batched over windows equals it window by window; bad requests are refused."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import pytest
 from conftest import real_folder
 from specwhisper import Engine
 from test_longform import assert_same
+from whisper_ref import openai_transcribe
 
 
 def words_of(segments, key=lambda w: (w.word, w.start, w.end)):
@@ -25,16 +26,6 @@ def assert_same_words(out, ref):
     assert sum(map(len, words_of(out.segments))) >= 10
     probs = [w.probability for s in out.segments for w in s.words]
     assert probs == pytest.approx([w["probability"] for s in ref["segments"] for w in s["words"]], abs=1e-4)
-
-
-@pytest.fixture(scope="module")
-def openai_base():
-    import whisper
-    from whisper_ref import openai_whisper
-
-    model = openai_whisper(real_folder("base"))
-    model.set_alignment_heads(whisper._ALIGNMENT_HEADS["base"])
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +43,8 @@ def short_recording(tmp_path_factory):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_words_equal_openai_target_only_and_tiny_draft(openai_base, base_engine, recording):
-    import whisper
-
-    ref = whisper.transcribe(openai_base, recording, language="en", fp16=False, word_timestamps=True)
+def test_words_equal_openai_target_only_and_tiny_draft(base_engine, recording):
+    ref = openai_transcribe(real_folder("base"), recording, language="en", word_timestamps=True)
     assert len(ref["segments"]) >= 8
     assert_same_words(base_engine.transcribe(recording, language="en", word_timestamps=True), ref)
     spec = Engine(real_folder("base"), real_folder("tiny.en")).transcribe(recording, language="en", num_draft_tokens=4,
@@ -66,12 +55,9 @@ def test_words_equal_openai_target_only_and_tiny_draft(openai_base, base_engine,
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_words_equal_openai_without_conditioning_target_only_and_self_draft(openai_base, base_engine,
-                                                                             short_recording):
-    import whisper
-
-    ref = whisper.transcribe(openai_base, short_recording, language="en", fp16=False, word_timestamps=True,
-                             condition_on_previous_text=False)
+def test_words_equal_openai_without_conditioning_target_only_and_self_draft(base_engine, short_recording):
+    ref = openai_transcribe(real_folder("base"), short_recording, language="en", word_timestamps=True,
+                            condition_on_previous_text=False)
     kwargs = dict(language="en", word_timestamps=True, condition_on_previous_text=False)
     assert_same_words(base_engine.transcribe(short_recording, **kwargs), ref)
     spec = Engine(real_folder("base"), real_folder("base")).transcribe(short_recording, num_draft_tokens=4, **kwargs)
@@ -81,21 +67,19 @@ def test_words_equal_openai_without_conditioning_target_only_and_self_draft(open
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_words_equal_openai_with_hallucination_silence_threshold(openai_base, base_engine, short_recording):
+def test_words_equal_openai_with_hallucination_silence_threshold(base_engine, short_recording):
     """A long silence inside the recording, and the threshold below it: openai's skipping of
     silence around likely hallucinations, reproduced. Whisper hallucinates in the silence
     ("The wild boar is a ..."), and those windows fail the compression test: with fallback the
     next temperature samples, and openai samples from torch's global generator where we sample
     with a seed per window, so sampled windows differ by design. Without fallback (temperature
     0.0) every window is greedy and the threshold's seeks, kept and dropped segments must match."""
-    import whisper
-
     # 34 s: the hallucinations need the 14 s of silence; 11 s of speech after it, not 13, still
     # shows them dropped and halves openai's time (28.9 -> 14.7 s: fewer windows decoded again)
     audio = np.concatenate([short_recording[:16000 * 9], np.zeros(16000 * 14, np.float32),
                             short_recording[16000 * 9:16000 * 20]])
     kwargs = dict(language="en", temperature=0.0, word_timestamps=True)
-    ref = whisper.transcribe(openai_base, audio, fp16=False, hallucination_silence_threshold=0.5, **kwargs)
+    ref = openai_transcribe(real_folder("base"), audio, hallucination_silence_threshold=0.5, **kwargs)
     out = base_engine.transcribe(audio, hallucination_silence_threshold=0.5, **kwargs)
     assert_same_words(out, ref)
     # the threshold acted: without it the hallucinations in the silence are kept

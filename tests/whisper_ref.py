@@ -2,6 +2,7 @@
 `whisper.model.Whisper`, and long synthesized recordings (flite sentences, several voices, pauses)."""
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -37,12 +38,25 @@ def openai_name(key: str) -> str:
 _TRANSCRIBED: dict = {}
 
 
+@functools.lru_cache(maxsize=2)
+def openai_reference_model(folder: str):
+    """`openai_whisper(folder)` with openai's alignment heads for its name (word timestamps), built
+    once per session."""
+    import whisper
+
+    model = openai_whisper(Path(folder))
+    heads = whisper._ALIGNMENT_HEADS.get(Path(folder).name)
+    if heads is not None:
+        model.set_alignment_heads(heads)
+    return model
+
+
 def openai_transcribe(folder: Path, audio: np.ndarray, **options) -> dict:
-    """`whisper.transcribe(openai_whisper(folder), audio, fp16=False, **options)`, computed once per
-    session for the same weights, audio bytes and options (a fresh deep copy each call): the
-    long-form, engine and word-timestamp modules compare against the same references, each an
-    openai-whisper run of ≈ 10 s on base. The runs are deterministic: greedy, and a fallback's
-    sampling (which draws from torch's global generator) is asserted absent where it matters."""
+    """`whisper.transcribe(openai_reference_model(folder), audio, fp16=False, **options)`, computed
+    once per session for the same weights, audio bytes and options (a fresh deep copy each call):
+    the long-form and engine modules compare against the same references, each an openai-whisper
+    run of ≈ 10 s on base. The runs are deterministic: greedy, and a fallback's sampling (which
+    draws from torch's global generator) is asserted absent where it matters."""
     import copy
     import hashlib
 
@@ -51,10 +65,7 @@ def openai_transcribe(folder: Path, audio: np.ndarray, **options) -> dict:
     key = (str(folder), hashlib.sha256(np.ascontiguousarray(audio).tobytes()).hexdigest(),
            repr(sorted(options.items())))
     if key not in _TRANSCRIBED:
-        model = openai_whisper(folder)
-        if options.get("word_timestamps"):
-            model.set_alignment_heads(whisper._ALIGNMENT_HEADS[Path(folder).name])
-        _TRANSCRIBED[key] = whisper.transcribe(model, audio, fp16=False, **options)
+        _TRANSCRIBED[key] = whisper.transcribe(openai_reference_model(str(folder)), audio, fp16=False, **options)
     return copy.deepcopy(_TRANSCRIBED[key])
 
 
