@@ -188,9 +188,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     pairs = engines(str(fetch("base")), str(fetch("tiny.en")), str(fetch("base-2l")))
     demo = np.asarray(load_audio(str(demo_recording()[0])), np.float32)
-    log = open(args.log or f"fuzz_real_{args.seed}.log", "w")
     end, cases, bad = time.time() + args.seconds, 0, 0
-    with tempfile.TemporaryDirectory() as folder:
+    with open(args.log or f"fuzz_real_{args.seed}.log", "w") as log, tempfile.TemporaryDirectory() as folder:
         while time.time() < end:
             cases += 1
             problems, described = check_case(rng, pairs, demo, Path(folder))
@@ -198,7 +197,7 @@ def main() -> None:
             for problem in problems:
                 print(f"PROBLEM case {cases}: {problem}", file=log, flush=True)
             print(f"case {cases}: {len(problems)} problems; {described}", file=log, flush=True)
-    print(f"{cases} cases, {bad} problems", file=log, flush=True)
+        print(f"{cases} cases, {bad} problems", file=log, flush=True)
     print(f"{cases} cases, {bad} problems (log: {log.name})")
     sys.exit(1 if bad else 0)
 
