@@ -859,7 +859,7 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     clock = SimpleNamespace(mark=lambda: None,
                             intervals=lambda: (0.3 * control.k, rule.verify_ratio[control.k + 1]))
     backend = SimpleNamespace(clock=lambda: clock, calibrates=False, synchronize=lambda: None)
-    control = Speculation(runner, SimpleNamespace(length=rule, shared_encoder=False), backend)
+    control = Speculation(runner, SimpleNamespace(length=rule, shared_encoder=False, encodes=1), backend)
 
     def iteration(done: bool) -> int:
         k = control.begin(1)
@@ -889,6 +889,147 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
     pending[0] = False
     control.end(Progress(done=[False], n_tokens=[20], accepted=[-1], draft_len=[20]))
     assert rule.paid and rule.generated == 0.0
+
+
+def _windows(rule, n: int, accept, setup: float = 13.0, tokens: int = 72, c: float = 0.27) -> list[int]:
+    """Drive `rule` as the engine does through n windows of `tokens` tokens each, one row, a draft
+    with its own encoder: a window's draft starts (its setup of `setup` plain passes charged) at its
+    first speculative iteration, never for a probe (`Speculation.choose_k`); a draft step costs c
+    plain passes, a pass over r rows 1 + 0.11 (r - 1), a window's first plain steps 1.6 (cold).
+    accept(w, j): the proposals kept in iteration j of window w. -> per window, the iterations
+    that drafted."""
+    drafted = []
+    for w in range(n):
+        rule.paid, rule.generated, started, done, ks = False, 0.0, False, 0, []
+        while done < tokens:
+            k = rule.k
+            if rule.probing() and not started and not rule.setup_is_cheap():
+                k = 0
+            if k > 0 and not started:
+                rule.charge(setup)
+                started = True
+            kept = min(k, accept(w, len(ks))) if k else 0
+            verify = 1.0 + 0.11 * k if k else (1.6 if len(ks) < rule.COLD_STEPS else 1.0)
+            rule.update(k, [kept], [False], draft_seconds=c * k, verify_seconds=verify)
+            rule.paid, rule.generated = started, float(done)
+            done += kept + 1
+            ks.append(k)
+        rule.paid = False
+        rule.window_done(done)
+        drafted.append(sum(k > 0 for k in ks))
+    return drafted
+
+
+def _tiny_like() -> "DraftLength":  # noqa: F821
+    """A rule calibrated as tiny.en drafting base on an AVX2-only Zen 3 (in plain passes): a verify
+    row 11% of a pass, a draft step 0.3, its own encoder 18 passes over a whole 30 s window."""
+    from specwhisper.engine.draft_length import DraftLength
+
+    rule = DraftLength(None)
+    rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0, 1.0] + [1.0 + 0.11 * (r - 1) for r in range(2, 10)],
+                   cost_ratio=0.3, setup_seconds=18.0)
+    rule.window_tokens = 72.0
+    return rule
+
+
+def test_a_draft_with_its_own_encoder_switched_off_is_tried_again():
+    """A draft whose start costs its own encoder pass, switched off by a bad first window, is
+    tried again at a window's start after RETRIAL windows off (then 2x as many, up to
+    RETRIAL_MAX): a good one is measured again and stays on; a useless one costs a trial's few
+    iterations at each retrial only. Switched off, such a draft never drafted again (probes do not
+    pay its encoder): tiny.en drafting base stayed off for 24 bench windows where k = 3 decoded
+    1.14x faster."""
+    good = _tiny_like()
+    retrial = good.RETRIAL
+    drafted = _windows(good, 30, lambda w, j: 0 if w == 0 else [3, 2, 3, 1, 3][j % 5])
+    assert drafted[0] > 0 and drafted[1:retrial] == [0] * (retrial - 1), drafted  # the trial, then off
+    assert all(d > 10 for d in drafted[retrial:]), drafted  # the retrial, and on from there
+    assert good.setup == 13.0  # the starts' time replaced the calibration's whole-window pass
+
+    useless = _tiny_like()
+    drafted = _windows(useless, 80, lambda w, j: 0)
+    schedule, at, every = [0], 0, useless.RETRIAL
+    while at + every < 80:  # retrials after 4, 8, 16, 32, 32 ... windows that ended off
+        at += every
+        schedule.append(at)
+        every = min(2 * every, useless.RETRIAL_MAX)
+    assert [w for w, d in enumerate(drafted) if d] == schedule[:len([d for d in drafted if d])], drafted
+    assert len([d for d in drafted if d]) >= 4 and max(drafted) <= useless.TRIAL + 2, drafted
+    assert sum(drafted) <= 0.01 * 80 * 72  # iterations drafting: about 1% of the tokens
+
+    # no retrial where even a draft that is always right would not pay for its setup (windows of 8
+    # tokens), nor by window for a draft whose start is cheap (a shared encoder: its probes do that)
+    short = _tiny_like()
+    short.window_tokens = 8.0
+    assert sum(_windows(short, 40, lambda w, j: 0, tokens=8)[1:]) == 0
+    cheap = _tiny_like()
+    drafted = _windows(cheap, 40, lambda w, j: 0, setup=1.0)
+    assert cheap.setup_is_cheap() and cheap.retrial_every == cheap.RETRIAL and cheap.trial_end == cheap.TRIAL
+
+    # a k = 1 the model chooses with speculation on is no probe, even after a probe's countdown ran
+    # out: taken for one, it never started the retrial's draft encoder (`Speculation.choose_k`)
+    one = _tiny_like()
+    one.k, one.until_probe, one.on = 1, 0, True
+    assert not one.probing()
+    one.on = False
+    assert one.probing()
+
+
+def test_the_first_timed_draft_start_replaces_the_calibrated_setup_where_lower():
+    """The calibration times a draft encoder's pass over a whole 30 s window, the most a start costs
+    (a draft encodes its window's audio only): the first start timed replaces it where lower;
+    a start timed slower than it, and every later start, moves the estimate a tenth of the way
+    (clipped to within 2x of it, as every running cost)."""
+    from specwhisper.engine.draft_length import DraftLength
+
+    lower = DraftLength(None)
+    lower.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.3, setup_seconds=20.0)
+    lower.charge(12.0)
+    assert lower.setup == 12.0
+    lower.charge(30.0)  # 0.9 * 12 + 0.1 * 24 (30 clipped to twice the estimate)
+    assert abs(lower.setup - 13.2) < 1e-9
+    higher = DraftLength(None)
+    higher.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.3, setup_seconds=10.0)
+    higher.charge(15.0)
+    assert abs(higher.setup - 10.5) < 1e-9
+    fixed = DraftLength(3)  # a fixed k keeps no estimates
+    fixed.plain_pass = 1.0
+    fixed.charge(15.0)
+    assert fixed.setup == 0.0
+
+
+def test_an_engines_first_draft_encoder_pass_is_not_charged():
+    """`Speculation` charges each window's draft start to the adaptive k, but not the drafter's
+    first own-encoder pass: it packs the encoder's weights (tiny.en's first start 365 ms against
+    75-86 ms for the next ones on an AVX2-only Zen 3), a cost paid once, not per window."""
+    from types import SimpleNamespace
+
+    from specwhisper.engine.draft_length import DraftLength
+    from specwhisper.engine.speculation import Speculation
+
+    rule = DraftLength(None)
+    rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.3, setup_seconds=20.0)
+    rule.k = 2
+    charged = []
+    rule.charge = lambda seconds, rows=1: charged.append(rows)
+    spec = SimpleNamespace(use_draft=True, num_draft_tokens=None, prompt=[1, 2, 3])
+    drafter = SimpleNamespace(length=rule, shared_encoder=False, encodes=0)
+
+    def start_drafts(B):
+        drafter.encodes += 1
+        return 1
+
+    runner = SimpleNamespace(specs=lambda B: [spec] * B, pending_generated=lambda B: 0.0,
+                             hosts=[SimpleNamespace(budget=100, n=10, spec=spec)], start_drafts=start_drafts,
+                             sync_draft=lambda B: None)
+    backend = SimpleNamespace(clock=lambda: None, calibrates=False, synchronize=lambda: None)
+    control = Speculation(runner, drafter, backend)
+    rule.pays = lambda: True
+    assert control.begin(1) == 2 and drafter.encodes == 1 and charged == []  # the first: not charged
+    assert control.begin(1) == 2 and drafter.encodes == 2 and charged == [1]  # the next window's: charged
+    shared = SimpleNamespace(length=rule, shared_encoder=True, encodes=5)  # a shared encoder: never charged
+    Speculation(runner, shared, backend).begin(1)
+    assert charged == [1]
 
 
 def test_plain_steps_right_after_speculation_are_not_timed():

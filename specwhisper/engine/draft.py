@@ -52,6 +52,9 @@ class Drafter:
             raise ValueError(f"draft {draft.path} does not share the encoder of target {target.path} "
                              "(encoder configs or weights differ); pass shared_encoder=None or False")
         self.shared_encoder = shared_encoder  # the target's encoder output serves both
+        # own-encoder passes run (`encode`): the first packs the encoder's weights (`Speculation`
+        # does not charge it as a window's setup)
+        self.encodes = 0
         if not shared_encoder and dcfg.num_mel_bins != tcfg.num_mel_bins:
             raise ValueError(f"draft {draft.path} expects {dcfg.num_mel_bins} mel bins but target "
                              f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
@@ -201,6 +204,7 @@ class Drafter:
         (936/1176 -> 942/1158, 318/324 -> 312/342)."""
         n = content_frames(mel)
         encoder = self.draft.model.encoder
+        self.encodes += 1
         features = encoder(mel[None, :, :n])
         frames = features.shape[1]
         if n < mel.shape[-1]:

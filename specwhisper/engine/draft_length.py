@@ -64,7 +64,9 @@ class DraftLength:
     (the engine does not let a probe pay that encoder). The first iterations are plain steps
     (COLD_STEPS untimed, then one timed); an engine's first TRIAL speculative iterations are a
     trial of any draft that would pay were it always right, whatever its start costs, so that
-    measurements, not the calibration alone, decide. The estimates live in the engine's drafter,
+    measurements, not the calibration alone, decide; a draft whose start is not cheap, once
+    switched off, gets another trial at a window's start after RETRIAL windows off (then twice as
+    many, up to RETRIAL_MAX), so that its costs are measured again. The estimates live in the engine's drafter,
     so they carry over between calls.
     """
 
@@ -130,6 +132,16 @@ class DraftLength:
     # iterations) -> 1.119x (fixed k = 3: 1.159x); natively, where the calibration let both draft,
     # 1.328x / 1.301x (k = 3: 1.355x). One trial an engine: its first TRIAL speculative iterations
     TRIAL = 4
+    # ... and a draft whose start is not cheap, switched off, gets another trial of TRIAL iterations
+    # at a window's start after RETRIAL windows, then twice as many each time up to RETRIAL_MAX
+    # (while one that is always right would pay, `always_right_gain`). Switched off, such a draft
+    # never drafted again (probes do not pay its encoder), so the costs and acceptance its last
+    # window measured decided for the engine's life: tiny.en drafting base, whose first window ran on
+    # cold caches (the measured acceptance low, the setup the calibration's whole 30 s window), was
+    # switched off at its second window's start and decoded the next 24 bench windows at 1.00x of
+    # target-only where k = 3 decoded 1.14x faster (AVX2-only Zen 3). A retrial that loses costs
+    # about one window's setup: at most a window's worth in RETRIAL_MAX of plain steps
+    RETRIAL, RETRIAL_MAX = 4, 32
     # a window's first iterations follow its encoder pass, which has evicted the decoder's weights
     # from the caches: plain steps there are not timed. base on bench/cpu.py's windows (2 threads of
     # a Zen 4 EPYC, ms a step, from the first on): an engine's first window, right after the
@@ -159,6 +171,7 @@ class DraftLength:
         self.row_sum = [0.0] * (MAX_K + 2)  # decayed sums of the timings of passes over r rows ...
         self.row_weight = [0.0] * (MAX_K + 2)  # ... and their decayed counts
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
+        self.setup_timed = False  # `charge` has timed a start (not only the calibration)
         self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
         # tokens already generated in the windows whose drafts would start next (their mean; set by
         # the engine, `Speculation`): a setup paid late in a window serves only its last tokens.
@@ -177,6 +190,9 @@ class DraftLength:
         self.spec = None  # running (tokens, seconds) of speculative iterations
         self.plain = None  # running (tokens, seconds) of plain target steps
         self.spec_iters = 0
+        self.trial_end = self.TRIAL  # `pays` runs the trial's rule up to this many speculative iterations
+        self.off_windows = 0  # windows finished off since the last trial (RETRIAL) ...
+        self.retrial_every = self.RETRIAL  # ... and how many start the next one
         self.since_refresh = 0  # speculative iterations since the last plain-step refresh
         self.on = False  # speculation is switched on (refresh plain steps and all)
         self.cleared = False  # the last verdict of `clear` from a measured speculative rate
@@ -202,18 +218,22 @@ class DraftLength:
         self.setup = max(self.setup, setup_seconds / plain_seconds)
         self.calibrated = True
 
-    def setup_share(self) -> float:
-        """s: a window's draft setup per token it has yet to emit, in plain passes (0 once `paid`)."""
+    def setup_share(self, start: bool = False) -> float:
+        """s: a window's draft setup per token it has yet to emit, in plain passes (0 once `paid`;
+        `start`: at a window's start, for a window yet to begin)."""
+        if start:
+            return self.setup / self.window_tokens
         if self.paid:
             return 0.0
         return self.setup / max(self.window_tokens - self.generated, self.window_tokens / 8)
 
-    def best(self, always_right: bool = False, verify: list[float] | None = None) -> tuple[int, float]:
+    def best(self, always_right: bool = False, verify: list[float] | None = None,
+             start: bool = False) -> tuple[int, float]:
         """(k, gain) of the best k (`always_right`: were every proposal accepted; `verify`: these
-        verify costs v(r) instead of the running estimate)."""
+        verify costs v(r) instead of the running estimate; `start`: in a window yet to begin)."""
         verify = self.verify_ratio if verify is None else verify
         alpha = min(self.accepted / self.trials, 0.999)
-        expected, survive, gains, s = 1.0, 1.0, [], self.setup_share()
+        expected, survive, gains, s = 1.0, 1.0, [], self.setup_share(start)
         for k in range(1, MAX_K + 1):
             if not always_right:
                 survive *= (self.hit[k] + self.PRIOR * alpha) / (self.reach[k] + self.PRIOR)
@@ -223,7 +243,7 @@ class DraftLength:
         gain, k = max(gains)
         return k, gain
 
-    def always_right_gain(self) -> float:
+    def always_right_gain(self, start: bool = False) -> float:
         """The gain of the best k were every proposal accepted, at the lower of each row count's
         measured and calibrated verify cost: whether a draft may pay at all (its trial, and probes
         while it is off). At the measured costs alone, one verify pass timed slow against a plain
@@ -235,7 +255,7 @@ class DraftLength:
         of 400 decoded at 0.94-0.98x of plain steps where the rest ran 1.24x or faster; none since."""
         lower = None if self.calibrated_verify is None else \
             [min(m, c) for m, c in zip(self.verify_ratio, self.calibrated_verify)]
-        return self.best(always_right=True, verify=lower)[1]
+        return self.best(always_right=True, verify=lower, start=start)[1]
 
     def _track(self, current, tokens: float, seconds: float):
         t, s = current if current is not None else (0.0, 0.0)
@@ -297,7 +317,16 @@ class DraftLength:
         """A draft setup of `seconds` for `rows` windows (their drafts started)."""
         if self.fixed is None and self.plain_pass:
             per_row = seconds / max(rows, 1) / self.plain_pass
-            self.setup = per_row if not self.setup else self._follow(self.setup, per_row)
+            if not self.setup_timed and self.setup:
+                # the calibration timed a whole 30 s window's pass, the most a start costs (a draft
+                # encodes its window's audio only, `Drafter.encode`): the first start timed replaces
+                # it where lower. Followed at DECAY a window instead, tiny.en's setup read 118 ms for
+                # ten windows whose starts took 75-86 (bench windows of 23-25 s, AVX2-only Zen 3),
+                # which kept it off at a window's start where k = 3 decoded 1.14x faster
+                self.setup = per_row if per_row < self.setup else self._follow(self.setup, per_row)
+            else:
+                self.setup = per_row if not self.setup else self._follow(self.setup, per_row)
+            self.setup_timed = True
 
     def window_done(self, tokens: int) -> None:
         """A window finished with `tokens` generated tokens (spreads the setup). The measured
@@ -310,17 +339,28 @@ class DraftLength:
             if self.spec is not None and self.spec[0] > self.NEW_WINDOW_TOKENS:
                 scale = self.NEW_WINDOW_TOKENS / self.spec[0]
                 self.spec = (self.spec[0] * scale, self.spec[1] * scale)
+            if self.on or self.setup_is_cheap() or self.spec_iters < self.trial_end:
+                self.off_windows = 0
+            else:
+                self.off_windows += 1
+                # (whether it could pay in the next window: the share of the setup at its start,
+                # not at the end of this one)
+                if self.off_windows >= self.retrial_every and self.always_right_gain(start=True) > 1.0:
+                    self.trial_end, self.off_windows = self.spec_iters + self.TRIAL, 0
+                    self.retrial_every = min(2 * self.retrial_every, self.RETRIAL_MAX)
 
     def probing(self) -> bool:
-        """Whether the next iteration is a k = 1 probe while speculation is off."""
-        return self.fixed is None and self.k == 1 and self.until_probe <= 0
+        """Whether the next iteration is a k = 1 probe while speculation is off (not a k = 1 the
+        model chose with speculation on, after a countdown to a probe: such a choice, taken for a
+        probe, never started a draft with its own encoder, `Speculation.choose_k`)."""
+        return self.fixed is None and not self.on and self.k == 1 and self.until_probe <= 0
 
     def setup_is_cheap(self) -> bool:
         """Whether a draft's setup costs at most CHEAP_SETUP plain passes (a probe may pay it)."""
         return self.setup <= self.CHEAP_SETUP
 
     def pays(self) -> bool:
-        if self.spec_iters < self.TRIAL:  # the trial (TRIAL)
+        if self.spec_iters < self.trial_end:  # the trial (TRIAL, RETRIAL)
             return self.always_right_gain() > (self.MARGIN if self.setup_is_cheap() else 1.0)
         # hysteresis against switching back and forth; before any speculative iteration the
         # acceptance is a prior (0.8: tiny.en's 0.89 measured on AVX-512 looked 0.92-1.05 from it)

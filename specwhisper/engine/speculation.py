@@ -30,11 +30,14 @@ class Speculation:
         """This iteration's k for the first B rows (0: a plain target step); starts pending drafts."""
         self.k, self.rule = self.choose_k(B)
         if self.k > 0:
-            t0 = time.perf_counter()
+            t0, first = time.perf_counter(), self.drafter.encodes == 0
             started = self.runner.start_drafts(B)
-            if started and self.rule is not None and not self.drafter.shared_encoder:
+            if started and self.rule is not None and not self.drafter.shared_encoder and not first:
                 # a draft's own encoder pass counts against speculation (a shared-encoder draft's
-                # setup, its cross K/V and prompt, is small next to what it saves in a window)
+                # setup, its cross K/V and prompt, is small next to what it saves in a window).
+                # Not the engine's first: it packs the encoder's weights (oneDNN's int8 layout) and
+                # touches its buffers for the first time: tiny.en's first start took 365 ms where
+                # the next ones took 75-86 (AVX2-only Zen 3), charged as a window's setup
                 self.backend.synchronize()
                 self.rule.charge(time.perf_counter() - t0, started)
             # the draft catches up on the tokens of the plain steps before this iteration: a cost
