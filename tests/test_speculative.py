@@ -920,7 +920,7 @@ def _windows(rule, n: int, accept, setup: float = 13.0, tokens: int = 72, c: flo
     return drafted
 
 
-def _tiny_like() -> "DraftLength":  # noqa: F821
+def _tiny_like():
     """A rule calibrated as tiny.en drafting base on an AVX2-only Zen 3 (in plain passes): a verify
     row 11% of a pass, a draft step 0.3, its own encoder 18 passes over a whole 30 s window."""
     from specwhisper.engine.draft_length import DraftLength
