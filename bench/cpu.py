@@ -262,7 +262,8 @@ def engine_split(engine: Engine, mels, repeats: int) -> dict:
     """Where a target-only call's seconds go, timed inside the engine's own calls (the runner's
     methods wrapped; medians over `repeats` rounds of one call per window): the encoder, the steps
     (`verify_step`: blocks, head, token choice), the admission (cross K/V, prompt pass, first
-    token) and the rest (host loop, bookkeeping), with the tokens decoded."""
+    token) and the rest (host loop, bookkeeping: each round's call less its parts), with the tokens
+    decoded."""
     runner, parts = engine.runner, ("encode_windows", "verify_step", "admit")
     acc = dict.fromkeys(parts, 0.0)
 
@@ -286,7 +287,11 @@ def engine_split(engine: Engine, mels, repeats: int) -> dict:
             start, tokens = time.perf_counter(), 0
             for mel in mels:
                 tokens += len(engine.transcribe(mel, language="en").tokens) + 1
-            rounds.append(dict(acc, call=time.perf_counter() - start, tokens=tokens))
+            call = time.perf_counter() - start
+            # the rest of each round from that round's own parts: a difference of medians taken
+            # over different rounds moved by a slow round's share (0.21 and 0.72 ms a token in two
+            # runs of the same code, AVX2-only Zen 3)
+            rounds.append(dict(acc, call=call, rest=call - sum(acc.values()), tokens=tokens))
     finally:
         for name in parts:
             delattr(runner, name)
@@ -544,7 +549,8 @@ def markdown(r: dict) -> str:
     ws, split = r["window_setup"], r["engine_split"]
     n = split["tokens"]
     per = {key: 1e3 * split[key] / n for key in ("call", "encode_windows", "verify_step", "admit")}
-    rest = per["call"] - per["encode_windows"] - per["verify_step"] - per["admit"]
+    rest = 1e3 * split["rest"] / n if "rest" in split else \
+        per["call"] - per["encode_windows"] - per["verify_step"] - per["admit"]  # results from before 2026-11-30
     lines += ["", f"Outside the step, timed inside the engine's own target-only calls ({n} tokens, medians of "
               f"rounds): a call costs {per['call']:.2f} ms/token; its steps (blocks, head, token choice) "
               f"{per['verify_step']:.2f}; the encoder {per['encode_windows']:.2f}; admissions "

@@ -61,3 +61,42 @@ def test_end_to_end_pools_encoder_samples_within_a_group(monkeypatch):
     assert by["B"]["paired_decode_vs_first"] == pytest.approx(dict(median=1.0, low=1.0, high=1.0))
     # ungrouped, C's own median reads its equal calls as faster decode: 1.9 s against 1.8 s
     assert by["C"]["paired_decode_vs_first"]["median"] == pytest.approx(1.9 / 1.8)
+
+
+def test_engine_split_takes_the_rest_of_each_round_from_that_round(monkeypatch):
+    """The host loop's share is each round's call less that round's parts, then the median over
+    rounds: a difference of medians taken over different rounds reads a slow round's share."""
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    rnd = [0]
+    # per round: (encoder, steps, admission, rest) seconds of a call; round 1 runs the encoder slow
+    plan = [(1.0, 2.0, 0.5, 0.1), (3.0, 2.0, 0.5, 0.1), (1.0, 4.0, 0.5, 0.1)]
+
+    class Runner:
+        def encode_windows(self, *a):
+            clock[0] += plan[rnd[0]][0]
+
+        def verify_step(self, *a):
+            clock[0] += plan[rnd[0]][1]
+
+        def admit(self, *a):
+            clock[0] += plan[rnd[0]][2]
+
+    runner = Runner()
+
+    def transcribe(mel, language):
+        runner.encode_windows()
+        runner.admit()
+        runner.verify_step()
+        clock[0] += plan[rnd[0]][3]
+        rnd[0] += 1
+        return SimpleNamespace(tokens=[1, 2, 3])
+
+    split = cpu.engine_split(SimpleNamespace(runner=runner, transcribe=transcribe), mels=[0], repeats=3)
+    assert split["rest"] == pytest.approx(0.1) and split["tokens"] == 4
+    # the difference of medians: the calls' (5.6, rounds 1 and 2) less the parts' (1, 2, 0.5, from
+    # the fast rounds) reads 2.1 seconds of host loop where every round spent 0.1
+    assert split["call"] == pytest.approx(5.6) and split["encode_windows"] == 1.0 and split["verify_step"] == 2.0
+    assert not hasattr(runner, "__dict__") or "verify_step" not in vars(runner)  # the wrappers are gone
