@@ -481,6 +481,25 @@ def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels,
     assert out.tokens == reference[0] and out.stats.draft_passes > 0
 
 
+
+def test_an_engine_tries_its_switched_off_draft_with_its_own_encoder_again(target, drafts, mels, reference):
+    """The engine counts the windows a draft with its own encoder spends switched off (it calls
+    `DraftLength.window_done` for them) and, after RETRIAL of them, starts that draft again at a
+    window's start for the retrial; the tokens stay target-only's throughout."""
+    engine = Engine(target, drafts["wrong"], background=False)
+    assert not engine.drafter.shared_encoder
+    rule = engine.drafter.length
+    rule.calibrated, rule.spec_iters, rule.trial_end = True, rule.TRIAL, rule.TRIAL  # past its first trial
+    rule.plain_pass, rule.setup = 1e-3, 100.0  # its encoder: 100 plain passes a window (not cheap)
+    rule.always_right_gain = lambda start=False: 2.0  # a draft that would pay were it always right
+    for i in range(rule.RETRIAL):  # switched off: never drafts, not even a probe (its encoder)
+        out = engine.transcribe(mels[i], language="en", max_new_tokens=MAX_NEW)
+        assert out.tokens == reference[i] and out.stats.draft_passes == 0, i
+    assert rule.trial_end == rule.TRIAL + rule.TRIAL and rule.retrial_every == 2 * rule.RETRIAL
+    out = engine.transcribe(mels[0], language="en", max_new_tokens=MAX_NEW)  # the retrial
+    assert out.tokens == reference[0] and out.stats.draft_passes > 0 and rule.spec_iters > rule.TRIAL
+
+
 def test_a_clear_draft_keeps_its_refresh_cadence_across_windows():
     """A draft whose measured rate beats plain steps by CLEAR refreshes every 128 speculative
     iterations across windows too: a window's start, whose own rate is not measured yet, keeps the
