@@ -317,15 +317,13 @@ class DraftLength:
         """A draft setup of `seconds` for `rows` windows (their drafts started)."""
         if self.fixed is None and self.plain_pass:
             per_row = seconds / max(rows, 1) / self.plain_pass
-            if not self.setup_timed and self.setup:
-                # the calibration timed a whole 30 s window's pass, the most a start costs (a draft
-                # encodes its window's audio only, `Drafter.encode`): the first start timed replaces
-                # it where lower. Followed at DECAY a window instead, tiny.en's setup read 118 ms for
-                # ten windows whose starts took 75-86 (bench windows of 23-25 s, AVX2-only Zen 3),
-                # which kept it off at a window's start where k = 3 decoded 1.14x faster
-                self.setup = per_row if per_row < self.setup else self._follow(self.setup, per_row)
-            else:
-                self.setup = per_row if not self.setup else self._follow(self.setup, per_row)
+            # the calibration timed a whole 30 s window's pass, the most a start costs (a draft
+            # encodes its window's audio only, `Drafter.encode`): the first start timed replaces it
+            # where lower. Followed at DECAY a window instead, tiny.en's setup read 118 ms for ten
+            # windows whose starts took 75-86 (bench windows of 23-25 s, AVX2-only Zen 3), which
+            # kept it off at a window's start where k = 3 decoded 1.14x faster
+            first_lower = not self.setup_timed and per_row < self.setup
+            self.setup = per_row if not self.setup or first_lower else self._follow(self.setup, per_row)
             self.setup_timed = True
 
     def window_done(self, tokens: int) -> None:
