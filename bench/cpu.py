@@ -549,8 +549,7 @@ def markdown(r: dict) -> str:
     ws, split = r["window_setup"], r["engine_split"]
     n = split["tokens"]
     per = {key: 1e3 * split[key] / n for key in ("call", "encode_windows", "verify_step", "admit")}
-    rest = 1e3 * split["rest"] / n if "rest" in split else \
-        per["call"] - per["encode_windows"] - per["verify_step"] - per["admit"]  # results from before 2026-11-30
+    rest = 1e3 * split["rest"] / n
     lines += ["", f"Outside the step, timed inside the engine's own target-only calls ({n} tokens, medians of "
               f"rounds): a call costs {per['call']:.2f} ms/token; its steps (blocks, head, token choice) "
               f"{per['verify_step']:.2f}; the encoder {per['encode_windows']:.2f}; admissions "
