@@ -339,8 +339,13 @@ def test_the_adaptive_k_times_the_passes_beside_its_k_on_a_real_pair(mels):
         return update(k, *args, **kwargs)
 
     rule.update = tracked
-    for mel in list(mels) * 2:
-        assert engine.transcribe(mel, language="en").tokens == plain.transcribe(mel, language="en").tokens
+    # rounds over the two windows until the rule has explored twice: where its timings make a long
+    # k best (k = 6..8 on a slow-memory phase), a round has fewer speculative iterations
+    for _ in range(6):
+        for mel in mels:
+            assert engine.transcribe(mel, language="en").tokens == plain.transcribe(mel, language="en").tokens
+        if len(drafted) > 2 * rule.EXPLORE:
+            break
     assert len(drafted) > rule.EXPLORE, drafted
     assert any(abs(k - b) == 1 for k, b in zip(drafted, best)), (drafted, best)  # explored
     timed = [r for r in range(2, len(rule.row_weight)) if rule.row_weight[r] > rule.LATELY]
