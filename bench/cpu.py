@@ -375,6 +375,15 @@ def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
     return out
 
 
+def round_sums(stats: list, field: str, windows: int, repeats: int) -> list[int]:
+    """A system's calls' `field` (their `Stats`, in `end_to_end`'s call order: a warm-up call per
+    window, then each round's) summed round by round over the timed calls: where an adaptive k
+    drafted and where it kept its draft off, beside that round's paired ratio."""
+    if len(stats) != windows * (repeats + 1):
+        raise ValueError(f"{len(stats)} calls, expected {windows} windows x ({repeats} rounds + a warm-up)")
+    return [sum(getattr(s, field) for s in stats[windows * (r + 1):windows * (r + 2)]) for r in range(repeats)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=3)
@@ -500,6 +509,8 @@ def main() -> None:
             stats = seen[r["name"]]
             r["drafted"] = sum(s.drafted for s in stats)
             r["acceptance"] = sum(s.accepted for s in stats) / max(1, r["drafted"])
+            r["round_drafted"] = round_sums(stats, "drafted", len(mels), args.repeats)
+            r["round_target_passes"] = round_sums(stats, "target_passes", len(mels), args.repeats)
     ref_tokens = runs[0]["tokens"]
     decode = lambda toks: [engine.target.tokenizer.decode(t) for t in toks]  # noqa: E731
     for r in runs:
@@ -576,6 +587,14 @@ def markdown(r: dict) -> str:
                      f"{ct2['ms_per_token'] / x['ms_per_token']:.2f}× | "
                      f"{x['call_speedup_vs_ct2']:.2f}× | {acc} | "
                      f"{'yes' if x['identical_to_target_only'] else 'NO'} | {x['wer']:.3f} |")
+    adaptive = [x for x in r["runs"] if "k=adaptive" in x["name"] and "round_drafted" in x]
+    if adaptive:
+        lines += ["", "The adaptive k round by round (timed calls; proposals / target passes, and the round's paired "
+                      "decode ratio against target-only; 0 proposals: the draft kept off that round):"]
+        for x in adaptive:
+            decode = [a / b for a, b in zip(r["runs"][0]["round_decode_seconds"], x["round_decode_seconds"])]
+            lines.append(f"- {x['name']}: " + ", ".join(
+                f"{d} / {t} ({q:.2f}×)" for d, t, q in zip(x["round_drafted"], x["round_target_passes"], decode)))
     lines += ["", "One target step, torch.profiler (5 steps):", "```", r["profile"], "```"]
     return "\n".join(lines) + "\n"
 

@@ -100,3 +100,16 @@ def test_engine_split_takes_the_rest_of_each_round_from_that_round(monkeypatch):
     # the fast rounds) reads 2.1 seconds of host loop where every round spent 0.1
     assert split["call"] == pytest.approx(5.6) and split["encode_windows"] == 1.0 and split["verify_step"] == 2.0
     assert not hasattr(runner, "__dict__") or "verify_step" not in vars(runner)  # the wrappers are gone
+
+
+def test_round_sums_skip_the_warm_up_and_split_the_rounds():
+    """An adaptive system's proposals per round: the first call per window is the warm-up, then
+    each round's calls in turn; a count that does not fit the order is refused, not misread."""
+    from types import SimpleNamespace
+
+    drafted = [9, 9, 1, 2, 0, 0, 5, 6]  # 2 windows: warm-up, then 3 rounds
+    stats = [SimpleNamespace(drafted=d, target_passes=10 + d) for d in drafted]
+    assert cpu.round_sums(stats, "drafted", windows=2, repeats=3) == [3, 0, 11]
+    assert cpu.round_sums(stats, "target_passes", windows=2, repeats=3) == [23, 20, 31]
+    with pytest.raises(ValueError, match="8 calls"):
+        cpu.round_sums(stats, "drafted", windows=2, repeats=4)
