@@ -21,6 +21,8 @@ one median, subtracted from each alike.
 All systems are timed interleaved (each round takes each window through every system in turn);
 besides the ratios of medians, the table gives paired ratios against target-only: each round's
 decode (and whole-call) seconds against target-only's in the same round, median and range over rounds.
+Each adaptive draft's proposals and target passes are listed round by round beside that round's
+paired decode ratio (0 proposals: the draft kept off that round).
 CTranslate2 runs in a worker process (bench/ct2_worker.py): its OpenMP runtime and PyTorch's in
 one process contend for the cores and slowed both by ≈ 40% on 2 cores.
 
