@@ -481,7 +481,6 @@ def test_a_probe_never_starts_a_draft_with_its_own_encoder(target, drafts, mels,
     assert out.tokens == reference[0] and out.stats.draft_passes > 0
 
 
-
 def test_an_engine_tries_its_switched_off_draft_with_its_own_encoder_again(target, drafts, mels, reference):
     """The engine counts the windows a draft with its own encoder spends switched off (it calls
     `DraftLength.window_done` for them) and, after RETRIAL of them, starts that draft again at a
