@@ -34,6 +34,54 @@ def test_the_adaptive_k_comes_near_the_best_fixed_k_and_never_loses_with_a_usele
     assert min(speeds) > 0.9
 
 
+def test_a_draft_with_its_own_encoder_pays_its_setup_in_each_window_it_starts():
+    match = [True] * 10 + [False] + [True] * 5
+    costs = dict(COSTS, setup=7.0)
+    speed, hist = replay.replay([match, match], costs, 3, rounds=1)
+    assert sum(hist) == 10
+    assert speed == pytest.approx(30 / (2 * (7.0 + 4 * (3 * 0.2 + 1.3) + (0.2 + 1.1))))
+    # the adaptive rule, noise-free: near the best fixed k where the setup leaves a gain, never
+    # drafting where it leaves none, and a draft that is never right costs at most its trials
+    rnd = random.Random(0)
+    good = [[rnd.random() < 0.9 for _ in range(80)] for _ in range(8)]
+    useless = [[False] * 80 for _ in range(8)]
+    for setup in (10.0, 40.0):
+        costs = dict(COSTS, setup=setup)
+        fixed = max(replay.replay(good, costs, k, rounds=1)[0] for k in range(1, 9))
+        adaptive, hist = replay.replay(good, costs, None, rounds=3)
+        assert adaptive > 0.95 * max(fixed, 1.0), (setup, fixed, adaptive)
+        assert replay.replay(useless, costs, None, rounds=3)[0] >= 0.97
+    assert fixed < 1.0 and hist[0] == sum(hist)  # setup 40: no k pays, and it never drafted
+    # the draft side's own slow phases (split) move its costs apart from the target's
+    runs = [good[0]] * 3
+    apart = [replay.replay(runs, dict(COSTS, setup=10.0), 3, seed=1, phase=0.3, split=s)[0] for s in (0.0, 1.0)]
+    assert apart[0] != apart[1]
+    assert apart[1] == replay.replay(runs, dict(COSTS, setup=10.0), 3, seed=1, phase=0.3, split=1.0)[0]
+
+
+@pytest.mark.real
+def test_engine_runs_of_a_draft_with_its_own_encoder_replay_the_engines_iterations(monkeypatch):
+    """tiny.en drafting base: the runs read off the engine's iterations at the largest k give, replayed
+    at that k, the engine's own number of iterations and tokens; its costs include its setup."""
+    import torch
+
+    from conftest import real_folder
+    from specwhisper import Engine, load_audio
+    from specwhisper.samples import sample_paths
+
+    base, tiny = real_folder("base"), real_folder("tiny.en")
+    audio = torch.cat([torch.from_numpy(load_audio(p)) for p in sample_paths()[:2]])
+    assert not replay.shares_encoder(base, tiny) and replay.shares_encoder(base, real_folder("base-2l"))
+    runs = replay.engine_runs(base, tiny, [audio])
+    spec = Engine(base, tiny, background=False).transcribe(audio, language="en", num_draft_tokens=replay.MAX_K)
+    assert len(runs) == 1 and len(runs[0]) == len(spec.tokens) + 1  # every token, then EOT
+    _, hist = replay.replay(runs, COSTS, replay.MAX_K, rounds=1)
+    assert sum(hist) == spec.stats.target_passes - 1  # the prompt pass emits the first token
+    monkeypatch.setattr(replay, "KS", range(1, 2))
+    costs = replay.measure_costs(base, tiny, [audio], rounds=1)
+    assert costs["setup"] > 1.0 and 0 < costs["c"][0] < 1, costs  # its encoder: several plain steps
+
+
 @pytest.mark.real
 def test_agreement_runs_of_the_bundled_draft_match_the_engines_proposals(monkeypatch):
     """The teacher-forced runs of base-2l on a window of the bundled samples (six voices, 25 s)
