@@ -180,7 +180,7 @@ def replay(runs, costs: dict, k: int | None, rounds: int = 3, seed: int = 0, noi
     -> (speed against plain steps, iterations at each k). The first token of a window comes from
     the prompt pass, as in the engine; a draft never proposes past the window's last token. A
     draft with a setup (`costs["setup"]` plain steps: its own encoder) pays it in each window where
-    it starts, charged to the rule but for the engine's first start, and a probe does not start it.
+    it starts, charged to the rule, and a probe does not start it.
     split: the share of the draft side's slow phase that is its own (0: one phase for all)."""
     rnd, state = random.Random(seed), [0.0, 0.0]
     c = lambda j: costs["c"][j - 1]  # noqa: E731
@@ -204,7 +204,6 @@ def replay(runs, costs: dict, k: int | None, rounds: int = 3, seed: int = 0, noi
                        cost_ratio=c(3), setup_seconds=setup * 1.3 if setup else 0.6)
     seconds = tokens = 0.0
     hist = [0] * (MAX_K + 1)
-    first = True
     for _ in range(rounds):
         for match in runs:
             t, started = 1, False
@@ -221,12 +220,11 @@ def replay(runs, costs: dict, k: int | None, rounds: int = 3, seed: int = 0, noi
                 if j:
                     kept = min(j, run_length(match, t))
                     f, g = factor(), draft_phase()
-                    if setup and not started:
+                    if setup and not started:  # (the calibration warms the encoder: every start is timed)
                         start = setup * f * g
                         seconds += start
-                        if k is None and not first:  # the engine's first start packs weights: not charged
+                        if k is None:
                             rule.charge(start)
-                        first = False
                     started = True
                     draft_s, verify_s = j * c(j) * f * g * math.exp(rnd.gauss(0.0, noise)), v(j) * f
                 else:

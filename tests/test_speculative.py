@@ -284,6 +284,41 @@ def test_a_draft_encoder_runs_over_the_audio_only(target, drafts, mels, monkeypa
         assert torch.equal(caches[0].cross_k, caches[1].cross_k) and torch.equal(caches[0].cross_v, caches[1].cross_v)
 
 
+def test_the_calibration_warms_a_draft_encoder_so_that_every_start_is_charged(target, drafts, mels, monkeypatch):
+    """`Drafter.warm` runs a draft's own encoder once, on one block of silence, when the adaptive k
+    calibrates (the pass that packs its weights costs several setups and is not charged); from
+    then on every window's start is timed and charged. A shared-encoder draft has nothing to warm."""
+    from specwhisper.engine.draft import CONTENT_BLOCK
+    from specwhisper.engine.draft_length import DraftLength
+
+    engine = Engine(target, drafts["wrong"])
+    drafter = engine.drafter
+    encoder, seen = drafter.draft.model.encoder, []
+    forward = encoder.forward
+    monkeypatch.setattr(encoder, "forward", lambda mel: seen.append(mel.shape[-1]) or forward(mel))
+    drafter.warm("cpu", torch.float32)
+    assert drafter.encodes == 1 and seen == [CONTENT_BLOCK]
+    drafter.warm("cpu", torch.float32)  # once only
+    assert drafter.encodes == 1 and seen == [CONTENT_BLOCK]
+    shared = Engine(target, drafts["shared"]).drafter
+    shared.warm("cpu", torch.float32)
+    assert shared.shared_encoder and shared.encodes == 0
+
+    charged = []
+    original = DraftLength.charge
+    monkeypatch.setattr(DraftLength, "charge", lambda self, seconds, rows=1: charged.append(rows) or original(self, seconds, rows))
+    fresh = Engine(target, drafts["wrong"])
+    seen.clear()
+    encoder = fresh.drafter.draft.model.encoder
+    forward = encoder.forward
+    monkeypatch.setattr(encoder, "forward", lambda mel: seen.append(mel.shape[-1]) or forward(mel))
+    fresh.transcribe(mels[:2], language="en", max_new_tokens=MAX_NEW)  # adaptive: calibrates, warms
+    starts = fresh.drafter.encodes - 1
+    warm = seen.index(CONTENT_BLOCK)  # after the calibration's whole-window passes, if it measured
+    assert set(seen[:warm]) <= {2 * fresh.drafter.draft.config.max_source_positions}
+    assert starts >= 1 and sum(charged) == starts  # its trial started it: every start charged
+
+
 def test_a_draft_encoder_without_amx_takes_int8_projections(target, drafts, monkeypatch):
     """bfloat16 arithmetic without AMX (AVX512-BF16 alone, forced here): the draft's own encoder
     takes fbgemm's int8 projections, faster there than torch's bfloat16 GEMM; its decoder keeps
@@ -881,8 +916,9 @@ def test_speculation_leaves_out_a_spent_setup_only_while_no_window_has_yet_to_pa
 
     def iteration(done: bool) -> int:
         k = control.begin(1)
-        # no proposal counted (-1): the acceptance stays the prior, so only `paid` moves the decision
-        control.end(Progress(done=[done], n_tokens=[20], accepted=[-1], draft_len=[20]))
+        # no proposal counted (-1): the acceptance stays the prior, so only `paid` moves the decision;
+        # a window that ends has generated 80 tokens (as `window_tokens` says)
+        control.end(Progress(done=[done], n_tokens=[83], accepted=[-1], draft_len=[20]))
         return k
 
     for _ in range(rule.COLD_STEPS):  # the window's first plain steps run cold: not timed
@@ -1014,6 +1050,26 @@ def test_the_first_timed_draft_start_replaces_the_calibrated_setup_where_lower()
     fixed.plain_pass = 1.0
     fixed.charge(15.0)
     assert fixed.setup == 0.0
+
+
+def test_the_first_finished_window_replaces_the_prior_tokens_a_window():
+    """The running tokens a window (which spreads a draft's setup) starts from a prior of 64; the
+    first finished window's count replaces it, as the first timed start replaces the calibrated
+    setup, and later windows move it a tenth of the way. A window with no tokens counts for
+    nothing, and a fixed k keeps no estimates."""
+    from specwhisper.engine.draft_length import DraftLength
+
+    rule = DraftLength(None)
+    assert rule.window_tokens == 64.0
+    rule.window_done(0)
+    assert rule.window_tokens == 64.0
+    rule.window_done(80)
+    assert rule.window_tokens == 80.0
+    rule.window_done(60)
+    assert abs(rule.window_tokens - 78.0) < 1e-9
+    fixed = DraftLength(3)
+    fixed.window_done(80)
+    assert fixed.window_tokens == 64.0
 
 
 def test_an_engines_first_draft_encoder_pass_is_not_charged():

@@ -213,6 +213,27 @@ class Drafter:
             features = full
         return features, frames
 
+    @torch.inference_mode()
+    def warm(self, device, dtype) -> None:
+        """Run a draft's own encoder and cross K/V projections once, on one block of silence into a
+        scratch cache, before its first window (`Speculation.choose_k`, with the calibration): the
+        first pass packs their weights (oneDNN's int8 layout) and takes a window's setup several
+        times over (tiny.en: 365 against 75-86 ms on an AVX2-only Zen 3), so the engine left it
+        uncharged, and the adaptive k judged the next windows' setup by the calibration's whole
+        30 s pass: with the first window's tokens still near the prior (`DraftLength.window_done`)
+        tiny.en read ≈ 1.02 after an engine's first window and stayed off for the four windows of a
+        retrial (`python bench/replay.py --draft tiny.en`). Warm, every start is timed and charged.
+        Nothing for a draft that shares the target's encoder, or one whose encoder has run."""
+        if self.shared_encoder or self.encodes:
+            return
+        ddec = self.draft.model.decoder
+        cache = DecoderCache.allocate(self.draft.config, 1, device, dtype,
+                                      self.draft.backend.draft_cross_dtype(ddec, dtype), self.cross_positions(dtype))
+        silence = torch.zeros(self.draft.config.num_mel_bins, 2 * self.draft.config.max_source_positions,
+                              device=device, dtype=dtype)
+        features, frames = self.encode(silence)  # one block of it (`content_frames`)
+        ddec.fill_cross(cache, features, frames=frames)
+
     def costs(self, device, dtype) -> dict:
         """`measure_costs`, kept on disk per machine and pair (`costs_folder`): a one-shot
         `specwhisper transcribe --draft` measured them in every process, before its first decision

@@ -172,7 +172,10 @@ class DraftLength:
         self.row_weight = [0.0] * (MAX_K + 2)  # ... and their decayed counts
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
         self.setup_timed = False  # `charge` has timed a start (not only the calibration)
-        self.window_tokens = 64.0  # running tokens per finished window (prior: ≈ 25 s of speech)
+        # running tokens per finished window (prior: ≈ 25 s of speech), the first finished window's
+        # count at once (`window_done`)
+        self.window_tokens = 64.0
+        self.windows_seen = False
         # tokens already generated in the windows whose drafts would start next (their mean; set by
         # the engine, `Speculation`): a setup paid late in a window serves only its last tokens.
         # Spread over a whole window, tiny.en's encoder pass (19 plain passes, AVX2-only EPYC)
@@ -333,7 +336,14 @@ class DraftLength:
         own iterations are measured before the rate decides again."""
         self.window_steps = 0  # the next window's first steps follow its encoder pass (COLD_STEPS)
         if self.fixed is None and tokens > 0:
-            self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens
+            # the first window replaces the prior, as the first timed start replaces the calibrated
+            # setup (`charge`): followed at DECAY from 64, bench windows of 76 tokens read 65 after
+            # the first, 68 after the fourth, so a draft's setup looked spread over a sixth fewer
+            # tokens than it was, enough to switch tiny.en off after an engine's first window where
+            # k = 3 decoded 1.22x faster (`python bench/replay.py --draft tiny.en --noise 0 --phase 0`)
+            self.window_tokens = self.DECAY * self.window_tokens + (1 - self.DECAY) * tokens \
+                if self.windows_seen else float(tokens)
+            self.windows_seen = True
             if self.spec is not None and self.spec[0] > self.NEW_WINDOW_TOKENS:
                 scale = self.NEW_WINDOW_TOKENS / self.spec[0]
                 self.spec = (self.spec[0] * scale, self.spec[1] * scale)

@@ -35,9 +35,9 @@ class Speculation:
             if started and self.rule is not None and not self.drafter.shared_encoder and not first:
                 # a draft's own encoder pass counts against speculation (a shared-encoder draft's
                 # setup, its cross K/V and prompt, is small next to what it saves in a window).
-                # Not the engine's first: it packs the encoder's weights (oneDNN's int8 layout) and
-                # touches its buffers for the first time: tiny.en's first start took 365 ms where
-                # the next ones took 75-86 (AVX2-only Zen 3), charged as a window's setup
+                # Not a pass that packs the encoder's weights (oneDNN's int8 layout): tiny.en's first
+                # took 365 ms where the next ones took 75-86 (AVX2-only Zen 3); the calibration
+                # warms the encoder (`Drafter.warm`), so only an engine with a fixed k starts cold
                 self.backend.synchronize()
                 self.rule.charge(time.perf_counter() - t0, started)
             # the draft catches up on the tokens of the plain steps before this iteration: a cost
@@ -83,6 +83,7 @@ class Speculation:
         rule = self.drafter.length if adaptive else None
         if adaptive and not rule.calibrated and self.backend.calibrates:
             rule.calibrate(**self.drafter.costs(self.backend.device, self.runner.dtype))
+            self.drafter.warm(self.backend.device, self.runner.dtype)  # so that every start is timed
         if adaptive:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32
