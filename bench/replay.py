@@ -28,6 +28,7 @@ the two unequally.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -75,6 +76,25 @@ def agreement_runs(target, draft, audios) -> list[list[bool]]:
     return runs
 
 
+@contextlib.contextmanager
+def each_iteration(record):
+    """Within the block, `record(speculation, progress)` after every engine iteration (at the end
+    of `Speculation.end`: its clock read, its k the iteration's)."""
+    from specwhisper.engine import speculation
+
+    original = speculation.Speculation.end
+
+    def end(self, progress):
+        original(self, progress)
+        record(self, progress)
+
+    speculation.Speculation.end = end
+    try:
+        yield
+    finally:
+        speculation.Speculation.end = original
+
+
 def shares_encoder(target, draft) -> bool:
     """Whether the draft runs on the target's encoder output (as the engine pairs them)."""
     from specwhisper import Engine
@@ -89,17 +109,9 @@ def engine_runs(target, draft, audios, seed: int = 0) -> list[list[bool]]:
     leaves its bonus position t+k unknown, drawn at the agreement measured elsewhere (seeded), as is
     position 0 (the prompt pass's token, never drafted)."""
     from specwhisper import Engine
-    from specwhisper.engine import speculation
 
-    iterations, original = [], speculation.Speculation.end
-
-    def end(self, progress):
-        original(self, progress)
-        iterations.append((self.k, progress.accepted[0], progress.done[0]))
-
-    engine, runs = Engine(target, draft, background=False), []
-    speculation.Speculation.end = end
-    try:
+    iterations, engine, runs = [], Engine(target, draft, background=False), []
+    with each_iteration(lambda spec, progress: iterations.append((spec.k, progress.accepted[0], progress.done[0]))):
         for audio in audios:
             iterations.clear()
             tokens = len(engine.transcribe(audio, language="en", num_draft_tokens=MAX_K).tokens)
@@ -111,8 +123,6 @@ def engine_runs(target, draft, audios, seed: int = 0) -> list[list[bool]]:
                 if done:
                     break
             runs.append(match[:tokens + 1])  # every token, then EOT (a last pass may keep past it)
-    finally:
-        speculation.Speculation.end = original
     known = [x for run in runs for x in run[1:] if x is not None]
     rate, rnd = sum(known) / max(len(known), 1), random.Random(seed)
     return [[rnd.random() < rate if x is None else x for x in run] for run in runs]
@@ -124,20 +134,16 @@ def measure_costs(target, draft, audios, rounds: int) -> dict:
     draft with its own encoder also its setup, the median encoder pass of a window (`setup`, in
     plain steps; 0 for a draft that shares the target's)."""
     from specwhisper import Engine
-    from specwhisper.engine import speculation
 
     timed: dict = {}
-    original = speculation.Speculation.end
 
-    def end(self, progress):
-        original(self, progress)
-        draft_s, *_, verify_s = self.clock.intervals()
-        timed.setdefault(self.k, []).append((draft_s, verify_s))
+    def record(spec, progress):
+        draft_s, *_, verify_s = spec.clock.intervals()
+        timed.setdefault(spec.k, []).append((draft_s, verify_s))
 
     plain = Engine(target, background=False)
     fixed = {k: Engine(target, draft, background=False) for k in KS}
-    speculation.Speculation.end = end
-    try:
+    with each_iteration(record):
         for r in range(rounds + 1):  # the first round warms up
             if r == 1:
                 timed.clear()
@@ -145,8 +151,6 @@ def measure_costs(target, draft, audios, rounds: int) -> dict:
                 plain.transcribe(audio, language="en")
                 for k, engine in fixed.items():
                     engine.transcribe(audio, language="en", num_draft_tokens=k)
-    finally:
-        speculation.Speculation.end = original
     step = statistics.median(v for _, v in timed[0])
     setup = 0.0
     drafter = fixed[KS[0]].drafter

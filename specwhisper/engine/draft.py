@@ -226,13 +226,17 @@ class Drafter:
         Nothing for a draft that shares the target's encoder, or one whose encoder has run."""
         if self.shared_encoder or self.encodes:
             return
-        ddec = self.draft.model.decoder
-        cache = DecoderCache.allocate(self.draft.config, 1, device, dtype,
-                                      self.draft.backend.draft_cross_dtype(ddec, dtype), self.cross_positions(dtype))
         silence = torch.zeros(self.draft.config.num_mel_bins, 2 * self.draft.config.max_source_positions,
                               device=device, dtype=dtype)
         features, frames = self.encode(silence)  # one block of it (`content_frames`)
-        ddec.fill_cross(cache, features, frames=frames)
+        self.draft.model.decoder.fill_cross(self.scratch_cache(device, dtype), features, frames=frames)
+
+    def scratch_cache(self, device, dtype) -> DecoderCache:
+        """A one-row draft cache laid out as the runner's (its cross K/V dtype and positions), for
+        passes whose values are not kept (`measure_costs`, `warm`)."""
+        ddec = self.draft.model.decoder
+        return DecoderCache.allocate(self.draft.config, 1, device, dtype,
+                                     self.draft.backend.draft_cross_dtype(ddec, dtype), self.cross_positions(dtype))
 
     def costs(self, device, dtype) -> dict:
         """`measure_costs`, kept on disk per machine and pair (`costs_folder`): a one-shot
@@ -305,9 +309,7 @@ class Drafter:
         arguments."""
         tdec, ddec = self.target.model.decoder, self.draft.model.decoder
         tcache = DecoderCache.allocate(self.target.config, 1, device, dtype)
-        dcache = DecoderCache.allocate(self.draft.config, 1, device, dtype,
-                                       self.draft.backend.draft_cross_dtype(ddec, dtype),
-                                       self.cross_positions(dtype))
+        dcache = self.scratch_cache(device, dtype)
         token = torch.full((1, 1), self.target.tokenizer.eot, device=device)
 
         def target_pass(rows):

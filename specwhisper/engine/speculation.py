@@ -37,7 +37,7 @@ class Speculation:
                 # setup, its cross K/V and prompt, is small next to what it saves in a window).
                 # Not a pass that packs the encoder's weights (oneDNN's int8 layout): tiny.en's first
                 # took 365 ms where the next ones took 75-86 (AVX2-only Zen 3); the calibration
-                # warms the encoder (`Drafter.warm`), so only an engine with a fixed k starts cold
+                # warms the encoder (`Drafter.warm`); a backend that does not calibrate starts cold
                 self.backend.synchronize()
                 self.rule.charge(time.perf_counter() - t0, started)
             # the draft catches up on the tokens of the plain steps before this iteration: a cost
