@@ -7,7 +7,10 @@ what does a draft step cost; and what are the end-to-end tokens/s and speedups o
 speculative decoding (tiny.en, self, optionally a distilled draft), plus the bfloat16 path and
 CTranslate2 int8 (faster-whisper's CPU default)? Where does a target-only call spend its time
 outside the steps (timed inside the engine's own calls)? It also prints the CPU model and flags, and the
-encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/encoder.py).
+encoder's GFLOP/s beside the float32 FMA peak measured in the same run (bench/encoder.py), and
+beside the verify passes what they would cost if the rows past the first added their arithmetic
+after the weight stream or hid it all under the stream (`verify_bounds`: a row's float32 and 16-bit
+multiply-adds at the FMA and vpmaddwd peaks measured in the same run, bench/fma_peak.cpp).
 
     python bench/cpu.py                                  # 3 windows, base, drafts tiny.en, self, base-2l
     python bench/cpu.py --windows 6 --repeats 3 --distilled ~/drafts/base-2l --out bench/results
@@ -186,6 +189,45 @@ def bytes_per_token(engine: Engine) -> dict:
     cross = 2 * cfg.decoder_layers * cfg.max_source_positions * cfg.d_model * item
     self_kv = 2 * cfg.decoder_layers * POSITION * cfg.d_model * item
     return dict(blocks=blocks, head=head, cross_kv=cross, self_kv=self_kv, total=blocks + head + cross + self_kv)
+
+
+def row_macs(engine: Engine) -> dict:
+    """Multiply-adds one row of a target pass makes at POSITION: float32 ones (the blocks' linears,
+    their weights as the C++ step reads them; self-attention over POSITION keys, cross-attention
+    over every audio position) and the screened head's 16-bit integer ones (its screen over the
+    whole vocabulary; the few candidates it rescores exactly are left out). A head that is not
+    screened counts as float32."""
+    dec, cfg = engine.target.model.decoder, engine.target.config
+    d, V = cfg.d_model, dec.embed_tokens.weight.shape[0]
+    linears = sum(p.numel() for p in dec.layer_params() if p.dim() == 2)
+    attention = 2 * cfg.decoder_layers * d * (POSITION + cfg.max_source_positions)
+    screened = engine.target.head is not None
+    return dict(float32=linears + attention + (0 if screened else V * d), int16=V * d if screened else 0)
+
+
+def verify_bounds(macs: dict, peaks: dict, step_ms: float, rows=range(1, 10)) -> dict:
+    """A verify pass of r rows in one-row steps at two extremes, from a row's arithmetic at the peaks
+    measured now (GMAC/s: `peaks` float32 and int16), a = float32 / its peak + int16 / its peak:
+    `serial`, every row past the first adding its arithmetic after the weight stream (none of it
+    hidden), 1 + (r - 1) a / step; `overlapped`, all of it hidden under the stream, max(1, r a / step).
+    A pass measured near `serial` is bounded by arithmetic that does not overlap the stream."""
+    a_ms = 1e3 * (macs["float32"] / (peaks["float32"] * 1e9) + macs["int16"] / (peaks["int16"] * 1e9))
+    return dict(row_ms=a_ms, serial={r: 1 + (r - 1) * a_ms / step_ms for r in rows},
+                overlapped={r: max(1.0, r * a_ms / step_ms) for r in rows})
+
+
+def mac_peaks(threads: int, build_dir: Path, repeats: int = 3) -> dict:
+    """GMAC/s on `threads` threads at the vector level of the C++ ops (AVX2 or AVX-512): float32 FMAs
+    and the screened head's 16-bit multiply-adds (vpmaddwd + vpaddd; AVX512-VNNI's vpdpwssd where
+    the screen runs it), the medians of `repeats` alternated runs."""
+    wide = cpu_ops.available() and cpu_ops._ops().vector_level() >= 2
+    vnni = wide and "avx512_vnni" in cpu_model()
+    fma = encoder_bench.fma_binary(16 if wide else 8, build_dir)
+    madd = encoder_bench.fma_binary(16 if wide else 8, build_dir, vnni=vnni)
+    runs = [(encoder_bench.fma_peak(fma, threads)[0], encoder_bench.fma_peak(madd, threads, kind="madd16")[0])
+            for _ in range(repeats)]
+    return dict(float32=statistics.median(f for f, _ in runs) / 2, int16=statistics.median(m for _, m in runs) / 2,
+                int16_instruction="vpdpwssd" if vnni else "vpmaddwd + vpaddd", width=16 if wide else 8)
 
 
 def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10), cross_dtype=None) -> dict:
@@ -439,6 +481,10 @@ def main() -> None:
     steps = step_times(engine, mels[0], args.repeats * 5)
     result["step_ms"] = {t: 1e3 * s for t, s in steps.items()}
     result["verify_over_step"] = {t: s / steps[1] for t, s in steps.items()}
+    result["mac_peaks"] = mac_peaks(args.threads, Path(os.environ.get("SPECWHISPER_BUILD_DIR", ".build")))
+    result["row_macs"] = row_macs(engine)
+    result["verify_bounds"] = verify_bounds(result["row_macs"], result["mac_peaks"], result["step_ms"][1],
+                                            rows=list(steps))
     result["window_setup"] = window_setup(engine, mels[0], args.repeats * 5)
     result["engine_split"] = engine_split(engine, mels, args.repeats)
     main_step, thread_step = step_in_thread(engine, mels[0], max(20, args.repeats * 5))
@@ -573,7 +619,17 @@ def markdown(r: dict) -> str:
               f"the rest (host loop, bookkeeping) **{rest:.2f} ms/token**."]
     lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",
               "|---" * (len(r["verify_over_step"]) + 1) + "|",
-              "| verify / step | " + " | ".join(f"{v:.2f}" for v in r["verify_over_step"].values()) + " |", "",
+              "| verify / step | " + " | ".join(f"{v:.2f}" for v in r["verify_over_step"].values()) + " |"]
+    if "verify_bounds" in r:
+        b, m, pk = r["verify_bounds"], r["row_macs"], r["mac_peaks"]
+        lines += ["| if the extra rows' arithmetic ran after the stream | "
+                  + " | ".join(f"{v:.2f}" for v in b["serial"].values()) + " |",
+                  "| if it all hid under the stream | " + " | ".join(f"{v:.2f}" for v in b["overlapped"].values()) + " |",
+                  "", f"A row's arithmetic: {m['float32'] / 1e6:.1f} M float32 multiply-adds at the FMA peak "
+                  f"({pk['float32']:.0f} GMAC/s) and {m['int16'] / 1e6:.1f} M 16-bit ones (the head's screen) at "
+                  f"the {pk['int16_instruction']} peak ({pk['int16']:.0f} GMAC/s), both measured now on "
+                  f"{r['threads']} threads: {b['row_ms']:.2f} ms, against a {r['step_ms'][1]:.1f} ms step."]
+    lines += ["",
               "| system | tokens/s (decode) | ms/token | vs target-only | paired per round: decode / whole call "
               "(range) | vs CT2 (decode) | vs CT2 (whole call) | acceptance | tokens = target-only | WER |",
               "|---|---|---|---|---|---|---|---|---|---|"]

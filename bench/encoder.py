@@ -40,20 +40,23 @@ def encoder_flops(cfg, frames: int = 3000) -> float:
     return conv + cfg.encoder_layers * layer
 
 
-def fma_binary(width: int, build_dir: Path) -> Path:
-    """Compile bench/fma_peak.cpp for 8 (AVX2) or 16 (AVX-512) float lanes (g++)."""
+def fma_binary(width: int, build_dir: Path, vnni: bool = False) -> Path:
+    """Compile bench/fma_peak.cpp for 8 (AVX2) or 16 (AVX-512) float lanes (g++); `vnni`: its 16-bit
+    multiply-adds as AVX512-VNNI's vpdpwssd, as the screened head runs them on such a CPU."""
     build_dir.mkdir(parents=True, exist_ok=True)
-    out = build_dir / f"fma_peak{width}"
-    isa = ["-mavx2", "-mfma"] if width == 8 else ["-mavx512f", "-mfma"]
+    out = build_dir / f"fma_peak{width}{'vnni' if vnni else ''}"
+    isa = ["-mavx2", "-mfma"] if width == 8 else ["-mavx512f", "-mavx512bw", "-mfma"] + (["-mavx512vnni"] if vnni else [])
     if not out.exists() or out.stat().st_mtime < FMA_SOURCE.stat().st_mtime:
         subprocess.run(["g++", "-O2", f"-DWIDTH={width}", *isa, "-pthread", str(FMA_SOURCE), "-o", str(out)],
                        check=True)
     return out
 
 
-def fma_peak(binary: Path, threads: int, seconds: float = 0.3) -> tuple[float, float]:
-    """(GFLOP/s, GFLOP per CPU-second) of independent FMA chains on `threads` threads, measured now."""
-    done = subprocess.run([str(binary), str(threads), str(seconds)], capture_output=True, text=True, check=True)
+def fma_peak(binary: Path, threads: int, seconds: float = 0.3, kind: str = "fma") -> tuple[float, float]:
+    """(G operations/s, G operations per CPU-second) on `threads` threads, measured now: independent
+    float32 FMA chains (`kind` "fma": GFLOP), or chains of the screened head's 16-bit integer
+    multiply-adds ("madd16"; 2 operations a multiply-add, as for the FMAs)."""
+    done = subprocess.run([str(binary), str(threads), str(seconds), kind], capture_output=True, text=True, check=True)
     wall, cpu = done.stdout.split()[:2]
     return float(wall), float(cpu)
 

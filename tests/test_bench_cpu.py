@@ -113,3 +113,43 @@ def test_round_sums_skip_the_warm_up_and_split_the_rounds():
     assert cpu.round_sums(stats, "target_passes", windows=2, repeats=3) == [23, 20, 31]
     with pytest.raises(ValueError, match="8 calls"):
         cpu.round_sums(stats, "drafted", windows=2, repeats=4)
+
+
+def test_verify_bounds_put_the_extra_rows_arithmetic_after_or_under_the_stream():
+    """A row's arithmetic a = float32 / its peak + int16 / its peak; `serial` adds it for every row
+    past the first, `overlapped` hides it until r rows' arithmetic outlasts the step."""
+    macs = dict(float32=30e6, int16=20e6)
+    peaks = dict(float32=60.0, int16=100.0)  # GMAC/s: 0.5 + 0.2 ms a row
+    b = cpu.verify_bounds(macs, peaks, step_ms=2.8, rows=[1, 2, 5, 9])
+    assert b["row_ms"] == pytest.approx(0.7)
+    assert b["serial"] == pytest.approx({1: 1.0, 2: 1.25, 5: 2.0, 9: 3.0})
+    assert b["overlapped"] == pytest.approx({1: 1.0, 2: 1.0, 5: 1.25, 9: 2.25})
+
+
+def test_row_macs_count_a_rows_linears_attention_and_head(tmp_path):
+    """Per layer: the fused q/k/v, the out projections, the cross query, the MLP; attention over
+    POSITION keys and every audio position; the vocabulary once (16-bit where it is screened)."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    d, F, L, V = 64, 128, 2, 51865
+    engine = Engine(make_checkpoint(tmp_path / "m", d_model=d, decoder_layers=L, ffn_dim=F), background=False)
+    linears = L * (3 * d * d + d * d + d * d + d * d + 2 * F * d)
+    attention = 2 * L * d * (cpu.POSITION + engine.target.config.max_source_positions)
+    screened = engine.target.head is not None
+    assert cpu.row_macs(engine) == dict(float32=linears + attention + (0 if screened else V * d),
+                                        int16=V * d if screened else 0)
+
+
+def test_the_peak_binary_measures_fmas_and_the_screens_multiply_adds(tmp_path):
+    """bench/fma_peak.cpp at the AVX2 width: both kinds run and report rates a core can reach: at
+    most two 256-bit instructions a cycle at 4.7 GHz, 300 G operations a second (a loop the compiler
+    folded, sharing one product among the chains or hoisting it, read 700-1000 here)."""
+    import encoder as encoder_bench  # bench/encoder.py
+
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("needs an AVX2 CPU")
+    binary = encoder_bench.fma_binary(8, tmp_path)
+    fma = encoder_bench.fma_peak(binary, 1, 0.05)
+    madd = encoder_bench.fma_peak(binary, 1, 0.05, kind="madd16")
+    assert all(1 < x < 300 for x in fma + madd), (fma, madd)  # G operations a second, one thread
