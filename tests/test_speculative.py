@@ -1011,6 +1011,17 @@ def test_a_draft_with_its_own_encoder_switched_off_is_tried_again():
     assert len([d for d in drafted if d]) >= 4 and max(drafted) <= useless.TRIAL + 2, drafted
     assert sum(drafted) <= 0.01 * 80 * 72  # iterations drafting: about 1% of the tokens
 
+    # a retrial that switches the draft back on resets the back-off: switched off again later (a
+    # slow spell), it is retried RETRIAL windows on, not after the doubled wait. Kept doubled, tiny.en
+    # drafting base waited 8 bench windows after 9 it had drafted
+    relapse = _tiny_like()
+    good_run = lambda w, j: 0 if w == 0 or w >= 3 * retrial else [3, 2, 3, 1, 3][j % 5]  # noqa: E731
+    drafted = _windows(relapse, 4 * retrial + 2, good_run)
+    assert all(d > 10 for d in drafted[retrial:3 * retrial]), drafted  # the retrial: on from there
+    assert drafted[3 * retrial] > 0 and drafted[3 * retrial + 1:4 * retrial] == [0] * (retrial - 1), drafted
+    assert drafted[4 * retrial] > 0, drafted  # retried RETRIAL windows after it ended off again
+    assert relapse.retrial_every == 2 * retrial
+
     # no retrial where even a draft that is always right would not pay for its setup (windows of 8
     # tokens), nor by window for a draft whose start is cheap (a shared encoder: its probes do that)
     short = _tiny_like()

@@ -66,7 +66,8 @@ class DraftLength:
     trial of any draft that would pay were it always right, whatever its start costs, so that
     measurements, not the calibration alone, decide; a draft whose start is not cheap, once
     switched off, gets another trial at a window's start after RETRIAL windows off (then twice as
-    many, up to RETRIAL_MAX), so that its costs are measured again. The estimates live in the engine's drafter,
+    many, up to RETRIAL_MAX; RETRIAL again once a window ends drafting, past its trial), so that its
+    costs are measured again. The estimates live in the engine's drafter,
     so they carry over between calls.
     """
 
@@ -349,6 +350,12 @@ class DraftLength:
                 self.spec = (self.spec[0] * scale, self.spec[1] * scale)
             if self.on or self.setup_is_cheap() or self.spec_iters < self.trial_end:
                 self.off_windows = 0
+                if self.on and self.spec_iters >= self.trial_end:
+                    # a window that ended drafting, past any trial: the draft paid again, so the
+                    # retrials' back-off starts over. Kept doubled, a draft that a retrial had
+                    # switched back on for 9 bench windows, then off in a slow spell, waited 8
+                    # windows for the next (tiny.en drafting base, AVX2-only Zen 3)
+                    self.retrial_every = self.RETRIAL
             else:
                 self.off_windows += 1
                 # (whether it could pay in the next window: the share of the setup at its start,
