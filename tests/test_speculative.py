@@ -598,9 +598,10 @@ def test_draft_length_rule():
     ks = [step(rule, True, 0.05) for _ in range(140)]  # everything accepted, draft step 5% of a pass
     # a plain step first, then a refresh (two plain steps) after 128 speculative iterations: the
     # measured rate beats plain steps by far more than CLEAR; every EXPLORE-th iteration drafts one
-    # fewer (one more would pass MAX_K)
+    # fewer (one more would pass MAX_K); k climbs from the second speculative iteration, the first
+    # (an engine's first use of its buffers) being untimed
     assert [i for i, k in enumerate(ks) if k == 0] == [0, 1, 2, 3, 132, 133], ks
-    assert set(ks[1:]) - {0} == {3, 5, 7, 8} and ks[-1] == 8 and ks[8::8][:15] == [7] * 15, ks
+    assert ks[4:8] == [3, 4, 6, 8] and ks[-1] == 8 and ks[8::8][:15] == [7] * 15, ks
     near = DraftLength(None)  # 1.2x plain steps, under CLEAR: a refresh every 32 iterations
     ks = [step(near, True, 0.8) for _ in range(80)]
     assert [i for i, k in enumerate(ks) if k == 0] == [0, 1, 2, 3, 36, 37, 70, 71], ks
@@ -838,8 +839,10 @@ def test_adaptive_k_finds_the_best_k_where_the_calibration_misjudged_the_verify_
     decode against k = 4's 1.61x; this simulation: 0.84 of the best fixed k's rate, and 0.91 where
     the passes cost 0.25 more a row from 6 rows on). Simulated with the acceptance by position of
     base-2l at k = 8 on six bench windows, timings jittered by ±10%, windows of 75 tokens: the
-    rule decodes at >= 0.94 of the best fixed k's expected rate on average over seeds (0.95 here),
-    >= 0.9 on each, and its v(r) ends within 0.1 of the engine's for the row counts about its k."""
+    rule decodes at >= 0.94 of the best fixed k's expected rate on average over 16 seeds (0.96 and
+    0.97 here), >= 0.87 on each (over 60 seeds: means 0.956 and 0.972, the lowest 0.881 and 0.919;
+    4 seeds and 0.9 each had held by the seeds' luck), and its v(r) ends within 0.1 of the engine's
+    for the row counts about its k."""
     import random
 
     from specwhisper.engine.draft_length import DraftLength
@@ -876,9 +879,9 @@ def test_adaptive_k_finds_the_best_k_where_the_calibration_misjudged_the_verify_
 
     for verify in (engine, cliff):
         best = max(range(1, 9), key=lambda k: expected_rate(verify, k))
-        runs = [decode(verify, seed) for seed in range(4)]
+        runs = [decode(verify, seed) for seed in range(16)]
         ratios = [rate / expected_rate(verify, best) for rate, _ in runs]
-        assert sum(ratios) / len(ratios) >= 0.94 and min(ratios) >= 0.9, (best, ratios)
+        assert sum(ratios) / len(ratios) >= 0.94 and min(ratios) >= 0.87, (best, ratios)
         for _, rule in runs if verify is engine else []:  # a line fits the engine's passes, not the cliff
             k = rule.best()[0]
             assert all(abs(rule.verify_ratio[r] - verify[r]) < 0.1 for r in (k, k + 1, k + 2) if r <= 9), \
@@ -1200,9 +1203,30 @@ def test_a_compact_draft_attends_over_pooled_cross_positions(target, drafts, mel
     assert costs["cost_ratio"] > 0 and (costs["setup_seconds"] > 0) == (not pooled.drafter.shared_encoder)
 
 
+def test_an_engines_first_speculative_iteration_is_not_timed():
+    """An engine's first speculative iteration (its first use of the draft's and the slot's
+    buffers: 2.0x a warm one for tiny.en drafting base on an AVX2-only Zen 3) leaves the costs and
+    the measured speculative rate as they were; its acceptance counts. The next one is timed."""
+    from specwhisper.engine.draft_length import DraftLength
+
+    verify = [1.0, 1.0] + [1.0 + 0.1 * (r - 1) for r in range(2, 10)]
+    rule = DraftLength(None)
+    rule.calibrate(plain_seconds=1.0, verify_ratio=verify, cost_ratio=0.2, setup_seconds=0.0)
+    for _ in range(rule.COLD_STEPS + 1):
+        rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=1.0)
+    k = rule.k
+    assert k > 0
+    rule.update(k, [k], [False], draft_seconds=2.0 * k, verify_seconds=10.0)
+    assert rule.verify_ratio == verify and rule.cost_ratio == 0.2 and rule.spec is None
+    assert rule.spec_iters == 1 and rule.hit[1] > 0  # counted as an iteration, its proposals as kept
+    k = rule.k
+    rule.update(k, [k], [False], draft_seconds=2.0 * k, verify_seconds=10.0)
+    assert rule.verify_ratio[k + 1] > verify[k + 1] and rule.cost_ratio > 0.2 and rule.spec is not None
+
+
 def test_one_slow_verify_pass_does_not_write_a_good_draft_off():
-    """A draft whose calibration says it pays, whose first verify pass is timed slow against a
-    first plain pass timed fast (each about one standard deviation of this machine's timings: the
+    """A draft whose calibration says it pays, whose first timed verify pass (an engine's first
+    speculative iteration is not timed) is slow against a first plain pass timed fast (each about one standard deviation of this machine's timings: the
     plain pass at 0.8 of the usual, the verify pass at 1.15), is probed again and drafts once its
     passes time as usual. At the measured costs alone that one pass (1.75 plain passes for the 2
     rows calibrated at 1.22) scaled every row count's extra cost 3.4x, no draft that is always
@@ -1219,6 +1243,10 @@ def test_one_slow_verify_pass_does_not_write_a_good_draft_off():
     rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=0.8)  # timed fast
     k = rule.k
     assert k == 1  # the fast unit makes the draft's steps look dearer
+    rule.update(k, [0], [False], draft_seconds=0.22 * k, verify_seconds=9.0)  # an engine's first: untimed
+    assert rule.verify_ratio == verify and rule.spec is None
+    k = rule.k
+    assert k == 1
     rule.update(k, [1], [False], draft_seconds=0.22 * k, verify_seconds=1.15 * verify[k + 1])  # timed slow
     assert rule.best(always_right=True)[1] < rule.MARGIN  # at the measured costs alone: hopeless
     ks = []

@@ -442,8 +442,15 @@ class DraftLength:
         self.cold = True
         # a probe's own rate decides, at the weight of a measured one (not the stretch that switched
         # speculation off, nor the model alone: its acceptance by position is that stretch's)
-        self.spec = (self.MEASURED_TOKENS, seconds * self.MEASURED_TOKENS / tokens) if probing and tokens \
-            else self._track(self.spec, tokens, seconds)
+        # an engine's first speculative iteration is not timed: its first use of the draft's and
+        # the slot's buffers ran at 2.0x a warm iteration (36.8 ms at k = 4, tiny.en drafting base
+        # on an AVX2-only Zen 3, where later windows' first iterations ran 0.84-1.29x), and timed,
+        # that one pass scaled the whole verify line 3x (v(5) 1.69 -> 3.05): k fell to 1 and the
+        # draft was off from the end of the engine's first window until a retrial
+        first = self.spec_iters == 0
+        if not first:
+            self.spec = (self.MEASURED_TOKENS, seconds * self.MEASURED_TOKENS / tokens) if probing and tokens \
+                else self._track(self.spec, tokens, seconds)
         self.spec_iters += 1
         succ = sum(rows) / max(len(rows), 1)
         fail = sum(1 for a in rows if a < k) / max(len(rows), 1)
@@ -455,7 +462,7 @@ class DraftLength:
             for j in range(1, min(a + 1, k) + 1):
                 self.reach[j] += 1 / len(rows)
                 self.hit[j] += (a >= j) / len(rows)
-        if verify_seconds > 0 and self.plain_pass:
+        if verify_seconds > 0 and self.plain_pass and not first:
             self._new_verify_ratio(k + 1, verify_seconds / self.plain_pass)
             self.cost_ratio = self._follow(self.cost_ratio, draft_seconds / k / self.plain_pass)
         self.since_refresh += 1
