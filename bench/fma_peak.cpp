@@ -69,6 +69,17 @@ static double ihsum(ivec v) { int t[8]; _mm256_storeu_si256((__m256i*)t, v); dou
 // loop-invariant products, or, kept from that, spilled and moved registers every iteration (rates
 // of 70-136 G operations a second from one loop, run to run)
 constexpr int kMaddChains = WIDTH == 16 ? 12 : 6;
+
+// One step of six chains: c0..c2 += a0..a2 * b0, c3..c5 += a0..a2 * b1
+__attribute__((always_inline)) static inline void madd6(ivec& c0, ivec& c1, ivec& c2, ivec& c3, ivec& c4, ivec& c5,
+                                                       ivec a0, ivec a1, ivec a2, ivec b0, ivec b1) {
+  __asm__ volatile(MADD("c0", "a0", "b0", "14") MADD("c1", "a1", "b0", "15") MADD("c2", "a2", "b0", "14")
+                   MADD("c3", "a0", "b1", "15") MADD("c4", "a1", "b1", "14") MADD("c5", "a2", "b1", "15")
+                   : [c0] "+v"(c0), [c1] "+v"(c1), [c2] "+v"(c2), [c3] "+v"(c3), [c4] "+v"(c4), [c5] "+v"(c5)
+                   : [a0] "v"(a0), [a1] "v"(a1), [a2] "v"(a2), [b0] "v"(b0), [b1] "v"(b1)
+                   : "xmm14", "xmm15");
+}
+
 static double run_madd(long iters, float seed) {
   ivec a0 = ISET1(3), a1 = ISET1(5), a2 = ISET1(7), b0 = ISET1((short)seed), b1 = ISET1(2);
   ivec c0 = ISET1(0), c1 = ISET1(1), c2 = ISET1(2), c3 = ISET1(3), c4 = ISET1(4), c5 = ISET1(5);
@@ -76,26 +87,13 @@ static double run_madd(long iters, float seed) {
   ivec b2 = ISET1(4), b3 = ISET1(6);
   ivec c6 = ISET1(6), c7 = ISET1(7), c8 = ISET1(8), c9 = ISET1(9), c10 = ISET1(10), c11 = ISET1(11);
   for (long i = 0; i < iters; i++) {
-    __asm__ volatile(MADD("c0", "a0", "b0", "14") MADD("c1", "a1", "b0", "15") MADD("c2", "a2", "b0", "14")
-                     MADD("c3", "a0", "b1", "15") MADD("c4", "a1", "b1", "14") MADD("c5", "a2", "b1", "15")
-                     : [c0] "+v"(c0), [c1] "+v"(c1), [c2] "+v"(c2), [c3] "+v"(c3), [c4] "+v"(c4), [c5] "+v"(c5)
-                     : [a0] "v"(a0), [a1] "v"(a1), [a2] "v"(a2), [b0] "v"(b0), [b1] "v"(b1)
-                     : "xmm14", "xmm15");
-    __asm__ volatile(MADD("c0", "a0", "b0", "14") MADD("c1", "a1", "b0", "15") MADD("c2", "a2", "b0", "14")
-                     MADD("c3", "a0", "b1", "15") MADD("c4", "a1", "b1", "14") MADD("c5", "a2", "b1", "15")
-                     : [c0] "+v"(c6), [c1] "+v"(c7), [c2] "+v"(c8), [c3] "+v"(c9), [c4] "+v"(c10), [c5] "+v"(c11)
-                     : [a0] "v"(a0), [a1] "v"(a1), [a2] "v"(a2), [b0] "v"(b2), [b1] "v"(b3)
-                     : "xmm14", "xmm15");
+    madd6(c0, c1, c2, c3, c4, c5, a0, a1, a2, b0, b1);
+    madd6(c6, c7, c8, c9, c10, c11, a0, a1, a2, b2, b3);
   }
   c0 = IADD(c0, IADD(IADD(c6, c7), IADD(c8, c9)));
   c1 = IADD(c1, IADD(c10, c11));
 #else
-  for (long i = 0; i < iters; i++)
-    __asm__ volatile(MADD("c0", "a0", "b0", "14") MADD("c1", "a1", "b0", "15") MADD("c2", "a2", "b0", "14")
-                     MADD("c3", "a0", "b1", "15") MADD("c4", "a1", "b1", "14") MADD("c5", "a2", "b1", "15")
-                     : [c0] "+v"(c0), [c1] "+v"(c1), [c2] "+v"(c2), [c3] "+v"(c3), [c4] "+v"(c4), [c5] "+v"(c5)
-                     : [a0] "v"(a0), [a1] "v"(a1), [a2] "v"(a2), [b0] "v"(b0), [b1] "v"(b1)
-                     : "xmm14", "xmm15");
+  for (long i = 0; i < iters; i++) madd6(c0, c1, c2, c3, c4, c5, a0, a1, a2, b0, b1);
 #endif
   return ihsum(IADD(IADD(IADD(c0, c1), IADD(c2, c3)), IADD(c4, c5)));
 }

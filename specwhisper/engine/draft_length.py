@@ -440,8 +440,6 @@ class DraftLength:
             return
         probing = self.probing()
         self.cold = True
-        # a probe's own rate decides, at the weight of a measured one (not the stretch that switched
-        # speculation off, nor the model alone: its acceptance by position is that stretch's)
         # an engine's first speculative iteration is not timed: its first use of the draft's and
         # the slot's buffers ran at 2.0x a warm iteration (36.8 ms at k = 4, tiny.en drafting base
         # on an AVX2-only Zen 3, where later windows' first iterations ran 0.84-1.29x), and timed,
@@ -449,6 +447,8 @@ class DraftLength:
         # draft was off from the end of the engine's first window until a retrial
         first = self.spec_iters == 0
         if not first:
+            # a probe's own rate decides, at the weight of a measured one (not the stretch that
+            # switched speculation off, nor the model alone: its acceptance by position is that stretch's)
             self.spec = (self.MEASURED_TOKENS, seconds * self.MEASURED_TOKENS / tokens) if probing and tokens \
                 else self._track(self.spec, tokens, seconds)
         self.spec_iters += 1
