@@ -1,8 +1,11 @@
 """What a process pays before its first token: loading a model never imports torch._dynamo (torch's
-random `normal_` on the meta device did: 2.4-3.7 s of every CLI call), equal tokenizer.json files
-are parsed once, and heads nobody proposes through are never built."""
+random `normal_` on the meta device did: 2.4-3.7 s of every CLI call) nor initialises modules it
+then overwrites, equal tokenizer.json files are parsed once, the language tokens are read where
+they sit, Python's collector stays off while loading, and heads nobody proposes through are never
+built."""
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import sys
@@ -10,10 +13,13 @@ import sys
 import pytest
 import torch
 
+from conftest import real_folder, require_real
 from specwhisper import Engine
+from specwhisper.engine.decoding import LoadedModel
 from specwhisper.engine.vocab import VocabMap
-from specwhisper.model.whisper import Embedding
-from specwhisper.tokenizer import Tokenizer
+from specwhisper.model.whisper import Conv1d, Embedding, Linear
+from specwhisper.tokenizer import LANGUAGE_TOKEN, Tokenizer
+from specwhisper.tools.fetch import is_fetched
 
 
 def test_loading_a_model_does_not_import_torch_dynamo(multilingual):
@@ -28,15 +34,67 @@ def test_loading_a_model_does_not_import_torch_dynamo(multilingual):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_embedding_initialises_as_torch_does_off_the_meta_device():
+@pytest.mark.parametrize("make", [lambda: Embedding(2000, 16), lambda: Linear(300, 200),
+                                  lambda: Conv1d(80, 64, kernel_size=3, padding=1)], ids=["embedding", "linear", "conv1d"])
+def test_modules_initialise_as_torch_does_off_the_meta_device_and_not_on_it(make, monkeypatch):
     torch.manual_seed(0)
-    table = Embedding(2000, 16)
-    w = table.weight.detach()
-    assert torch.isfinite(w).all() and 0.9 < float(w.std()) < 1.1 and abs(float(w.mean())) < 0.05
+    module = make()
+    ours = [p.detach().clone() for p in module.parameters()]
     torch.manual_seed(0)
-    assert torch.equal(w, torch.nn.Embedding(2000, 16).weight.detach())  # the same random init
+    theirs = [p.detach() for p in type(module).__mro__[2](*module_args(module)).parameters()]
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))  # the same random init
+    assert all(float(p.std()) > 0 for p in ours if p.dim() > 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a random initialisation on the meta device")
+
+    for name in ("normal_", "uniform_", "kaiming_uniform_"):
+        monkeypatch.setattr(torch.nn.init, name, refuse)
     with torch.device("meta"):
-        assert Embedding(2000, 16).weight.is_meta
+        assert all(p.is_meta for p in make().parameters())
+    with pytest.raises(AssertionError, match="meta device"):  # the probe bites where torch's modules initialise
+        make()
+
+
+def module_args(module) -> tuple:
+    if isinstance(module, torch.nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    return module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding
+
+
+def test_language_tokens_are_every_language_token_of_the_vocabulary_in_id_order(multilingual, english, v3):
+    folders = [(multilingual, 51865), (english, 51864), (v3, 51866)]
+    folders += [(real_folder(name), size) for name, size in (("base", 51865), ("tiny.en", 51864))
+                if require_real() or is_fetched(name)]
+    for folder, vocab_size in folders:
+        tok = Tokenizer.from_folder(folder, vocab_size)
+        scanned = {}
+        for token, tid in sorted(tok.backend.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1]):
+            if LANGUAGE_TOKEN.match(token):
+                scanned[token[2:-2]] = tid
+        assert tok.languages == scanned and list(tok.languages.items()) == list(scanned.items()), folder
+        assert len(scanned) >= 99 and tok.languages["en"] == tok.sot + 1
+
+
+def test_loading_leaves_the_collector_as_it_found_it(multilingual, english, monkeypatch):
+    """Engine() loads with Python's cyclic collector off (`engine.gc_paused`) and turns it on
+    again after, a failed load too, unless the caller had turned it off."""
+    assert gc.isenabled()
+    seen, load = [], LoadedModel.load
+    monkeypatch.setattr(LoadedModel, "load", lambda *a, **k: (seen.append(gc.isenabled()), load(*a, **k))[1])
+    Engine(multilingual, english, background=False)
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(FileNotFoundError):
+        Engine(multilingual, english.parent / "missing", background=False)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        Engine(multilingual, background=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_equal_tokenizer_files_are_parsed_once(multilingual, english, tmp_path):
