@@ -20,17 +20,18 @@ LANGUAGE_TOKEN = re.compile(r"^<\|([a-z]{2,3})\|>$")
 TASKS = ("transcribe", "translate")
 
 
-_PARSED: dict[bytes, tuple[HFTokenizer, dict]] = {}  # tokenizer.json's digest -> `_parsed`
+_PARSED: dict[str, tuple[HFTokenizer, dict, str]] = {}  # tokenizer.json's digest -> `_parsed`
 _PARSED_LOCK = threading.Lock()
 
 
-def _parsed(content: bytes, path: Path) -> tuple[HFTokenizer, dict]:
-    """(the `tokenizers` tokenizer, language code -> token id in vocabulary order) of a
+def _parsed(content: bytes, path: Path) -> tuple[HFTokenizer, dict, str]:
+    """(the `tokenizers` tokenizer, language code -> token id in vocabulary order, the content's
+    digest) of a
     tokenizer.json's `content`, parsed once per distinct content: 0.25-0.45 s a parse of Whisper's,
     which every Engine paid for its target and again for a draft with the same vocabulary (a
     distilled draft's folder holds a copy). The tokenizer is only read (encode, decode, lookups),
     never configured, so engines share it."""
-    digest = hashlib.blake2b(content, digest_size=20).digest()
+    digest = hashlib.blake2b(content, digest_size=20).hexdigest()
     with _PARSED_LOCK:
         found = _PARSED.get(digest)
     if found is not None:
@@ -48,7 +49,7 @@ def _parsed(content: bytes, path: Path) -> tuple[HFTokenizer, dict]:
     with _PARSED_LOCK:
         if len(_PARSED) >= 8:  # a handful of vocabularies per process
             _PARSED.pop(next(iter(_PARSED)))
-        return _PARSED.setdefault(digest, (backend, languages))
+        return _PARSED.setdefault(digest, (backend, languages, digest))
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Tokenizer:
     suppress_tokens: tuple  # suppressed at every step (generation_config.json)
     begin_suppress_tokens: tuple  # suppressed at the first generated position only
     multilingual: bool  # has language and task tokens in the prompt
+    digest: str = ""  # of tokenizer.json's bytes (`engine.vocab.vocab_tables` keeps tables by it)
 
     @classmethod
     def from_folder(cls, folder: str | Path, vocab_size: int) -> "Tokenizer":
@@ -69,7 +71,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
-        backend, languages = _parsed(path.read_bytes(), path)
+        backend, languages, digest = _parsed(path.read_bytes(), path)
 
         def special(name: str) -> int:
             tid = backend.token_to_id(name)
@@ -85,7 +87,7 @@ class Tokenizer:
             task_ids={t: special(f"<|{t}|>") for t in TASKS}, languages=dict(languages),
             suppress_tokens=tuple(gen.get("suppress_tokens") or ()),
             begin_suppress_tokens=tuple(gen.get("begin_suppress_tokens") or ()),
-            multilingual=vocab_size >= 51865)
+            multilingual=vocab_size >= 51865, digest=digest)
 
     def language_id(self, language: str) -> int:
         code = language.lower()

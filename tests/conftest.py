@@ -4,6 +4,7 @@ missing checkpoint fails instead."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import specwhisper  # noqa: F401  before torch: the huge pages users get (specwhisper/__init__.py)
@@ -14,6 +15,9 @@ from checkpoints import make_checkpoint
 # engines in tests measure their own pass costs: none read or write the user's kept costs
 # (`engine.draft.costs_folder`; tests of the kept costs point it at a temporary folder)
 os.environ["SPECWHISPER_COSTS_DIR"] = "off"
+# vocabulary tables of draft / target pairs (`engine.vocab.vocab_tables`) are kept in a folder of
+# this session's: a pair's first engine builds them, later ones read them back (as users' do)
+os.environ["SPECWHISPER_VOCAB_DIR"] = tempfile.mkdtemp(prefix="specwhisper-vocab-")
 
 
 def pytest_collection_modifyitems(config, items):

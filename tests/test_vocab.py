@@ -5,13 +5,14 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoints import make_checkpoint, write_tokenizer
 from conftest import real_folder
 from specwhisper import Engine
 from specwhisper.tokenizer import Tokenizer
-from specwhisper.engine.vocab import VocabMap
+from specwhisper.engine.vocab import VocabMap, padded_spellings, vocab_tables
 
 MAX_NEW = 40
 
@@ -52,8 +53,6 @@ def test_real_tiny_en_to_base_map():
 def test_all_spellings_at_once_equal_one_at_a_time():
     """`VocabMap.all_to_draft` (the draft's tables at construction) spells every target id as
     `to_draft` does, and `padded_spellings` lays them out as zero-padded rows with their lengths."""
-    from specwhisper.engine.vocab import padded_spellings
-
     base = tokenizer(real_folder("base"), 51865)
     tiny_en = tokenizer(real_folder("tiny.en"), 51864)
     together = VocabMap.build(tiny_en, base).all_to_draft(51866)  # one id past the tokenizer's
@@ -162,3 +161,52 @@ def test_sampling_with_a_mapped_draft_runs_and_is_reproducible(v3_target, v3_as_
     a, b = spec.transcribe(mels[0], **kw), spec.transcribe(mels[0], **kw)
     assert a.tokens == b.tokens and a.stats.drafted > 0
     assert a.stats.acceptance_rate > 0.5  # same weights behind the map: mostly accepted
+
+
+def test_a_pairs_tables_are_kept_on_disk_and_read_back(ckpt_dir, tmp_path, monkeypatch):
+    """`vocab_tables` keeps a pair's map on disk by the two tokenizer.json contents: read back it
+    spells every target id as the built map does, with no strings compared; a kept file that is
+    corrupt, another key's or out of range is built again; SPECWHISPER_VOCAB_DIR=off keeps none."""
+    target = tokenizer(ckpt_dir("ml-target", vocab_size=51865, n_mels=80, d_model=64, heads=4, seed=31), 51865)
+    draft = tokenizer(ckpt_dir("en-draft", vocab_size=51864, n_mels=80, d_model=48, heads=3, seed=32,
+                               word_offset=20000), 51864)
+    folder = tmp_path / "vocab"
+    monkeypatch.setenv("SPECWHISPER_VOCAB_DIR", str(folder))
+    built = VocabMap.build(draft, target)
+    rows, lengths = padded_spellings(built.all_to_draft(51865))
+    assert int((lengths > 1).sum()) > 100  # spellings of several draft tokens
+
+    def same(vmap):
+        assert not vmap.identity and vmap.shared_text == built.shared_text
+        assert torch.equal(vmap.draft_to_target, built.draft_to_target)
+        assert all(torch.equal(a, b) for a, b in zip(vmap.spelling_table(51865), (rows, lengths)))
+        ids = [0, draft.eot, target.eot, target.no_timestamps, 51864] + list(range(1, 51865, 499))
+        assert [vmap.to_draft(t) for t in ids] == [built.to_draft(t) for t in ids]
+
+    same(vocab_tables(draft, target, 51865))
+    kept = list(folder.iterdir())
+    assert len(kept) == 1 and kept[0].suffix == ".safetensors"
+    real_build = VocabMap.build
+    monkeypatch.setattr(VocabMap, "build", staticmethod(lambda *a, **k: pytest.fail("built again")))
+    read = vocab_tables(draft, target, 51865)
+    assert read.target_strings is None  # read back: tables, no strings
+    same(read)
+    assert Engine(ckpt_dir("ml-target"), ckpt_dir("en-draft"), background=False).drafter.vocab.spellings is not None
+    monkeypatch.setattr(VocabMap, "build", real_build)
+    assert vocab_tables(draft, target, 51866).spellings[1].shape == (51866,)  # another n: another file
+    assert len(list(folder.iterdir())) == 2
+
+    kept[0].write_bytes(b"not a safetensors file")
+    same(vocab_tables(draft, target, 51865))
+    with safe_open(str(kept[0]), framework="pt") as f:  # written again, whole
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["spellings"][5, 0] = len(built.draft_to_target)  # a draft id past the draft's vocabulary
+    save_file(tensors, str(kept[0]), metadata=metadata)
+    calls = []
+    monkeypatch.setattr(VocabMap, "build", staticmethod(lambda *a, **k: (calls.append(1), real_build(*a, **k))[1]))
+    same(vocab_tables(draft, target, 51865))
+    assert calls == [1]
+
+    monkeypatch.setenv("SPECWHISPER_VOCAB_DIR", "off")
+    assert vocab_tables(draft, target, 51865).spellings is None and len(list(folder.iterdir())) == 2
+    assert vocab_tables(target, target, 51865).identity

@@ -21,7 +21,7 @@ from ..model.encoder_cpu import pool_rows
 from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
 from .draft_length import DraftLength
-from .vocab import VocabMap, padded_spellings
+from .vocab import vocab_tables
 
 DRAFT_RUN = 3  # draft steps in a row when calibrating their cost (a typical k)
 CONTENT_BLOCK = 300  # mel frames (3 s): a draft's own encoder runs whole blocks of its attention
@@ -59,7 +59,7 @@ class Drafter:
             raise ValueError(f"draft {draft.path} expects {dcfg.num_mel_bins} mel bins but target "
                              f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
                              "mel front end")
-        self.vocab = VocabMap.build(draft.tokenizer, target.tokenizer, draft.path, target.path)
+        self.vocab = vocab_tables(draft.tokenizer, target.tokenizer, tcfg.vocab_size, draft.path, target.path)
         self.pruned = head_tokens is not None  # greedy proposals among a subset of the vocabulary
         self.head_tokens = head_tokens
         if same_head(draft, target):
@@ -90,7 +90,7 @@ class Drafter:
         d2t = torch.full((v_draft,), -1, dtype=torch.long)
         n = min(v_draft, len(self.vocab.draft_to_target))
         d2t[:n] = self.vocab.draft_to_target[:n]
-        return (d2t, *padded_spellings(self.vocab.all_to_draft(v_target)))
+        return (d2t, *self.vocab.spelling_table(v_target))
 
     @functools.cached_property
     def head(self):

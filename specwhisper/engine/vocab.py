@@ -10,9 +10,16 @@ Identical vocabularies map by identity with no work per step.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+import tokenizers
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 MIN_SHARED_TEXT = 0.25  # refuse pairs where fewer target text tokens have a draft equivalent
 N_TIMESTAMPS = 1501  # <|0.00|> ... <|30.00|>, 0.02 s apart, in every Whisper vocabulary
@@ -37,6 +44,9 @@ class VocabMap:
     target_strings: list | None  # target id -> token string
     draft_vocab: dict | None  # draft token string -> id
     shared_text: float  # fraction of target text tokens with a single-token draft equivalent
+    # (spellings [N, W], lengths [N]) of target ids 0..N-1, as `spelling_table(N)` returns them: a
+    # map read back from disk (`vocab_tables`) holds them instead of the strings
+    spellings: tuple | None = None
 
     @classmethod
     def build(cls, draft_tok, target_tok, draft_name="draft", target_name="target") -> "VocabMap":
@@ -68,6 +78,8 @@ class VocabMap:
         third of `Engine(base, tiny.en)`'s vocabulary work."""
         if self.identity:
             return [[t] for t in range(n)]
+        if self.spellings is not None:
+            return [self.to_draft(t) for t in range(n)]
         cache, spell = self.target_to_draft, self._spell
         return [cache[t] if t in cache else cache.setdefault(t, spell(t)) for t in range(n)]
 
@@ -87,8 +99,19 @@ class VocabMap:
             return [target_id]
         cached = self.target_to_draft.get(target_id)
         if cached is None:
-            cached = self.target_to_draft[target_id] = self._spell(target_id)
+            if self.spellings is not None:
+                rows, lengths = self.spellings
+                n = int(lengths[target_id]) if target_id < len(lengths) else 0
+                cached = self.target_to_draft[target_id] = rows[target_id, :n].tolist() if n else []
+            else:
+                cached = self.target_to_draft[target_id] = self._spell(target_id)
         return cached
+
+    def spelling_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`padded_spellings` of target ids 0..n-1."""
+        if self.spellings is not None and len(self.spellings[1]) == n:
+            return self.spellings
+        return padded_spellings(self.all_to_draft(n))
 
 
 def padded_spellings(spellings: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,3 +125,73 @@ def padded_spellings(spellings: list[list[int]]) -> tuple[torch.Tensor, torch.Te
     padded = torch.zeros(len(spellings), max(1, int(lengths.max()) if len(spellings) else 1), dtype=torch.long)
     padded[rows, cols] = flat
     return padded, lengths
+
+
+VOCAB_FORMAT = 1  # what a kept file holds; a change makes every kept file stale
+
+
+def vocab_folder() -> Path | None:
+    """Where `vocab_tables` keeps a pair's tables: $SPECWHISPER_VOCAB_DIR, else
+    ~/.cache/specwhisper/vocab ($XDG_CACHE_HOME respected); SPECWHISPER_VOCAB_DIR=off (or 0) keeps
+    none."""
+    from ..backends.ops import machine_cache
+
+    value = os.environ.get("SPECWHISPER_VOCAB_DIR")
+    if value is not None:
+        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
+    try:
+        return machine_cache() / "vocab"
+    except (RuntimeError, KeyError):  # no home folder: nowhere to keep them
+        return None
+
+
+def vocab_tables(draft_tok, target_tok, n: int, draft_name="draft", target_name="target") -> VocabMap:
+    """`VocabMap.build`, with its `spelling_table(n)`, kept on disk per pair of tokenizer.json
+    contents (`vocab_folder`): tiny.en drafting base spent 0.8 s of its `Engine()` on them (the
+    strings of both vocabularies compared in Python, 20876 target tokens segmented by the draft's
+    BPE). Read back, the map holds the tables (and `to_draft` reads them), not the strings; built
+    again when either file, `n`, this module or the tokenizers library changes, or the kept file
+    cannot be read or does not hold tables of the right shapes and ranges."""
+    folder = vocab_folder()
+    if draft_tok.backend is target_tok.backend or folder is None or not (draft_tok.digest and target_tok.digest):
+        return VocabMap.build(draft_tok, target_tok, draft_name, target_name)
+    key = dict(format=VOCAB_FORMAT, draft=draft_tok.digest, target=target_tok.digest, n=n,
+               tokenizers=tokenizers.__version__,
+               code=hashlib.blake2b(Path(__file__).read_bytes(), digest_size=12).hexdigest())
+    path = folder / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".safetensors")
+    kept = read_tables(path, key, n)
+    if kept is not None:
+        return kept
+    vmap = VocabMap.build(draft_tok, target_tok, draft_name, target_name)
+    if vmap.identity:
+        return vmap
+    rows, lengths = vmap.spelling_table(n)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        save_file({"draft_to_target": vmap.draft_to_target, "spellings": rows.contiguous(), "lengths": lengths},
+                  str(partial), metadata={"key": json.dumps(key, sort_keys=True), "shared_text": repr(vmap.shared_text)})
+        os.replace(partial, path)  # whole or not at all, for another process reading it
+    except (OSError, SafetensorError):
+        pass  # a read-only cache: built again next time
+    return VocabMap(False, vmap.draft_to_target, vmap.target_to_draft, vmap.draft_backend, vmap.target_strings,
+                    vmap.draft_vocab, vmap.shared_text, (rows, lengths))
+
+
+def read_tables(path: Path, key: dict, n: int) -> VocabMap | None:
+    """The VocabMap kept at `path` under `key` (None: absent, another key, or not well formed)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != json.dumps(key, sort_keys=True):
+                return None
+            d2t, rows, lengths = (f.get_tensor(k) for k in ("draft_to_target", "spellings", "lengths"))
+        shared = float(meta["shared_text"])
+    except (OSError, SafetensorError, KeyError, ValueError):
+        return None
+    ok = (d2t.dtype == rows.dtype == lengths.dtype == torch.long and d2t.dim() == 1 and rows.dim() == 2
+          and lengths.shape == (n,) and rows.shape[0] == n and rows.shape[1] >= 1 and 0 <= shared <= 1
+          and bool((d2t >= -1).all()) and bool((d2t < n).all()) and bool((rows >= 0).all())
+          and bool((rows < len(d2t)).all()) and bool((lengths >= 0).all())
+          and bool((lengths <= rows.shape[1]).all()))
+    return VocabMap(False, d2t, {}, None, None, None, shared, (rows, lengths)) if ok else None
