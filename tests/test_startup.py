@@ -5,6 +5,7 @@ they sit, Python's collector stays off while loading, and heads nobody proposes 
 built."""
 from __future__ import annotations
 
+import copy
 import gc
 import shutil
 import subprocess
@@ -156,3 +157,25 @@ def test_the_program_freezes_its_objects_before_the_interpreter_exits():
              "assert cli.run() == 7 and gc.get_freeze_count() > 0\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "draft"])
+def test_warm_up_does_a_first_calls_work_and_teaches_the_adaptive_k_nothing(with_draft, multilingual, english):
+    """`Engine.warm_up` decodes a second of faint noise (digital silence would run no model) and
+    calibrates the adaptive k; what the k learns from windows stays at its priors, and what the
+    engine decodes next equals a fresh engine's."""
+    torch.manual_seed(11)
+    mel = torch.randn(80, 3000)
+    draft = english if with_draft else None
+    engine = Engine(multilingual, draft, background=False)
+    rule = engine.drafter.length if with_draft else None
+    learned = ("accepted", "trials", "window_tokens", "windows_seen", "spec_iters", "reach", "hit", "k", "on")
+    before = {name: copy.deepcopy(getattr(rule, name)) for name in learned} if rule else None
+    assert engine.iterations == 0 and "head" not in vars(engine.target)
+    seconds = engine.warm_up()
+    assert seconds > 0 and engine.iterations >= 1 and "head" in vars(engine.target)
+    if rule:
+        assert rule.calibrated and engine.drafter.encodes >= 1
+        assert {name: getattr(rule, name) for name in learned} == before
+    fresh = Engine(multilingual, draft, background=False)
+    assert engine.transcribe(mel, language="en").tokens == fresh.transcribe(mel, language="en").tokens

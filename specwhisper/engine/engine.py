@@ -17,6 +17,7 @@ import contextlib
 import gc
 import random
 import threading
+import time
 import warnings
 import weakref
 
@@ -25,7 +26,7 @@ import torch
 
 from ..backends import backend_for, default_device
 from ..config import DEFAULT_FALLBACK_TEMPERATURES as DEFAULT_FALLBACK, DecodeOptions
-from ..constants import FRAMES_PER_SECOND, N_FRAMES
+from ..constants import FRAMES_PER_SECOND, N_FRAMES, SAMPLE_RATE
 from ..longform.timing import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
 from ..longform.window import SAMPLE_LEN
 from ..results import Segment, Stats, Transcription  # noqa: F401 (re-exported)
@@ -234,6 +235,22 @@ class Engine:
             with self._cond:
                 self._start_loop()
         return futures[0]
+
+    def warm_up(self) -> float:
+        """A first call's one-time work, done now rather than in a first request's time: one call
+        on a second of faint noise (digital silence returns no tokens without running a model: the
+        encoders' packed weights, the decoder's float16 copies, the
+        screened head, the first touch of the caches; a draft's own encoder and steps at a fixed
+        k = 1, which the adaptive k does not learn from) and the adaptive k's pass costs
+        (`Speculation.calibrate`, kept on disk per machine). `specwhisper serve` runs it before it
+        listens. Call it before requests come in. -> the seconds it took."""
+        start = time.perf_counter()
+        noise = np.random.default_rng(0).standard_normal(SAMPLE_RATE).astype(np.float32) * 0.01
+        self.transcribe(noise, language="en", max_new_tokens=4,
+                        num_draft_tokens=1 if self.drafter is not None else None)
+        with self._driver, torch.inference_mode():  # no iteration runs meanwhile
+            self.speculation.calibrate()
+        return time.perf_counter() - start
 
     def transcribe_long(self, audio, options, seed: int | None = None, progress=None, on_window=None,
                         max_new_tokens: int | None = None) -> Transcription:

@@ -70,6 +70,14 @@ class Speculation:
             for s in (s for s, done in enumerate(progress.done) if done and hosts[s].spec.use_draft):
                 self.rule.window_done(progress.n_tokens[s] - len(hosts[s].spec.prompt))
 
+    def calibrate(self) -> None:
+        """The adaptive k's pass costs (`Drafter.costs`) and a warm draft, where the backend
+        calibrates and it has not yet: before the first adaptive decision, or `Engine.warm_up`."""
+        rule = self.drafter.length if self.drafter is not None else None
+        if rule is not None and not rule.calibrated and self.backend.calibrates:
+            rule.calibrate(**self.drafter.costs(self.backend.device, self.runner.dtype))
+            self.drafter.warm(self.backend.device, self.runner.dtype)  # so that every start is timed
+
     def choose_k(self, B: int) -> tuple[int, DraftLength | None]:
         """The largest k a row asks for (rows with a smaller fixed k propose fewer); adaptive rows
         follow the drafter's running estimate."""
@@ -81,9 +89,8 @@ class Speculation:
         adaptive = any(sp.num_draft_tokens is None for sp in specs)
         k = max((sp.num_draft_tokens or 0) for sp in specs)
         rule = self.drafter.length if adaptive else None
-        if adaptive and not rule.calibrated and self.backend.calibrates:
-            rule.calibrate(**self.drafter.costs(self.backend.device, self.runner.dtype))
-            self.drafter.warm(self.backend.device, self.runner.dtype)  # so that every start is timed
+        if adaptive:
+            self.calibrate()
         if adaptive:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32

@@ -132,6 +132,8 @@ def cmd_serve(args) -> int:
     engine = Engine(model_folder(args.target), model_folder(args.draft) if args.draft else None,
                     device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
                     **engine_options)
+    seconds = engine.warm_up()  # the first request does not pay the one-time work
+    print(f"specwhisper serve: engine ready (warm-up {seconds:.1f} s)", file=sys.stderr, flush=True)
     app = create_app(engine, max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
                      model_name=args.model_name or Path(args.target).name, max_new_tokens=args.max_new_tokens,
                      max_audio_seconds=args.max_audio_seconds, read_timeout=args.read_timeout or None)
