@@ -67,6 +67,8 @@ def engines():
             folder = real_folder(target)
             draft_folder = {None: None, "self": folder}.get(draft) or (real_folder(draft) if draft else None)
             engine = Engine(folder, draft=draft_folder, dtype=dtype, max_batch=2, background=False)
+            if draft is not None and dtype == torch.float32:
+                engine.warm_up()  # what follows decodes as an engine never warmed up does
             memoize_encoder(engine.target.model.encoder)
             if engine.drafter is not None:
                 memoize_encoder(engine.drafter.draft.model.encoder)
