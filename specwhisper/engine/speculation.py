@@ -91,7 +91,6 @@ class Speculation:
         rule = self.drafter.length if adaptive else None
         if adaptive:
             self.calibrate()
-        if adaptive:
             # a probe measures acceptance where a draft runs already: it does not pay a draft's
             # own encoder worth more than a probe interval of plain steps (tiny.en's float32
             # encoder on an AVX2 CPU: a probe per fresh window cost that window its setup)
