@@ -263,6 +263,18 @@ def machine_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specwhisper"
 
 
+def kept_folder(variable: str, name: str) -> Path | None:
+    """Where a process keeps what later ones read back (`machine_cache() / name`): $`variable`
+    moves it, and off (or 0, none, empty) keeps nothing (None, as where there is no home folder)."""
+    value = os.environ.get(variable)
+    if value is not None:
+        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
+    try:
+        return machine_cache() / name
+    except (RuntimeError, KeyError):  # no home folder: nowhere to keep them
+        return None
+
+
 def build_dir() -> Path:
     """Where the JIT-built extension lives: $SPECWHISPER_BUILD_DIR, else a per-torch/per-Python
     folder under ~/.cache/specwhisper/build."""

@@ -16,7 +16,7 @@ import torch
 
 from ..constants import MAX_ADAPTIVE_K as MAX_K
 from ..backends import cpu_ops
-from ..backends.ops import csrc_dir, machine_cache
+from ..backends.ops import csrc_dir, kept_folder
 from ..model.encoder_cpu import pool_rows
 from ..model.head import Q2_CHUNK, Q4_CHUNK, Q2Head, Q4Head, SubsetHead
 from ..model.whisper import DecoderCache
@@ -385,13 +385,7 @@ def costs_folder() -> Path | None:
     """Where `Drafter.costs` keeps measured pass costs: $SPECWHISPER_COSTS_DIR, else
     ~/.cache/specwhisper/costs ($XDG_CACHE_HOME respected); SPECWHISPER_COSTS_DIR=off (or 0) keeps
     none (every engine measures its own, as the tests do)."""
-    value = os.environ.get("SPECWHISPER_COSTS_DIR")
-    if value is not None:
-        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
-    try:
-        return machine_cache() / "costs"
-    except (RuntimeError, KeyError):  # no home folder: nowhere to keep them
-        return None
+    return kept_folder("SPECWHISPER_COSTS_DIR", "costs")
 
 
 def model_files(path) -> list | None:

@@ -134,15 +134,9 @@ def vocab_folder() -> Path | None:
     """Where `vocab_tables` keeps a pair's tables: $SPECWHISPER_VOCAB_DIR, else
     ~/.cache/specwhisper/vocab ($XDG_CACHE_HOME respected); SPECWHISPER_VOCAB_DIR=off (or 0) keeps
     none."""
-    from ..backends.ops import machine_cache
+    from ..backends.ops import kept_folder
 
-    value = os.environ.get("SPECWHISPER_VOCAB_DIR")
-    if value is not None:
-        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
-    try:
-        return machine_cache() / "vocab"
-    except (RuntimeError, KeyError):  # no home folder: nowhere to keep them
-        return None
+    return kept_folder("SPECWHISPER_VOCAB_DIR", "vocab")
 
 
 def vocab_tables(draft_tok, target_tok, n: int, draft_name="draft", target_name="target") -> VocabMap:
