@@ -3,7 +3,9 @@
 missing checkpoint fails instead."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -18,6 +20,7 @@ os.environ["SPECWHISPER_COSTS_DIR"] = "off"
 # vocabulary tables of draft / target pairs (`engine.vocab.vocab_tables`) are kept in a folder of
 # this session's: a pair's first engine builds them, later ones read them back (as users' do)
 os.environ["SPECWHISPER_VOCAB_DIR"] = tempfile.mkdtemp(prefix="specwhisper-vocab-")
+atexit.register(shutil.rmtree, os.environ["SPECWHISPER_VOCAB_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -206,6 +206,12 @@ def test_a_pairs_tables_are_kept_on_disk_and_read_back(ckpt_dir, tmp_path, monke
     monkeypatch.setattr(VocabMap, "build", staticmethod(lambda *a, **k: (calls.append(1), real_build(*a, **k))[1]))
     same(vocab_tables(draft, target, 51865))
     assert calls == [1]
+    other = next(p for p in folder.iterdir() if p != kept[0])
+    kept[0].write_bytes(other.read_bytes())  # another key's tables (51866 rows) under this key's name
+    same(vocab_tables(draft, target, 51865))
+    assert calls == [1, 1]
+    same(vocab_tables(draft, target, 51865))  # written again: read back
+    assert calls == [1, 1]
 
     monkeypatch.setenv("SPECWHISPER_VOCAB_DIR", "off")
     assert vocab_tables(draft, target, 51865).spellings is None and len(list(folder.iterdir())) == 2
