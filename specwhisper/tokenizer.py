@@ -20,7 +20,7 @@ LANGUAGE_TOKEN = re.compile(r"^<\|([a-z]{2,3})\|>$")
 TASKS = ("transcribe", "translate")
 
 
-_PARSED: dict[str, tuple[HFTokenizer, dict, str]] = {}  # tokenizer.json's digest -> `_parsed`
+_PARSED: dict[str, tuple[HFTokenizer, dict]] = {}  # tokenizer.json's digest -> (tokenizer, languages)
 _PARSED_LOCK = threading.Lock()
 
 
@@ -35,7 +35,7 @@ def _parsed(content: bytes, path: Path) -> tuple[HFTokenizer, dict, str]:
     with _PARSED_LOCK:
         found = _PARSED.get(digest)
     if found is not None:
-        return found
+        return (*found, digest)
     try:
         backend = HFTokenizer.from_str(content.decode("utf-8"))
     except Exception as exc:  # the tokenizers library raises a bare Exception (bad UTF-8 too)
@@ -49,7 +49,7 @@ def _parsed(content: bytes, path: Path) -> tuple[HFTokenizer, dict, str]:
     with _PARSED_LOCK:
         if len(_PARSED) >= 8:  # a handful of vocabularies per process
             _PARSED.pop(next(iter(_PARSED)))
-        return _PARSED.setdefault(digest, (backend, languages, digest))
+        return (*_PARSED.setdefault(digest, (backend, languages)), digest)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Tokenizer:
     suppress_tokens: tuple  # suppressed at every step (generation_config.json)
     begin_suppress_tokens: tuple  # suppressed at the first generated position only
     multilingual: bool  # has language and task tokens in the prompt
-    digest: str = ""  # of tokenizer.json's bytes (`engine.vocab.vocab_tables` keeps tables by it)
+    digest: str  # of tokenizer.json's bytes (`engine.vocab.vocab_tables` keeps tables by it)
 
     @classmethod
     def from_folder(cls, folder: str | Path, vocab_size: int) -> "Tokenizer":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def vocab_tables(draft_tok, target_tok, n: int, draft_name="draft", target_name=
     again when either file, `n`, this module or the tokenizers library changes, or the kept file
     cannot be read or does not hold tables of the right shapes and ranges."""
     folder = vocab_folder()
-    if draft_tok.backend is target_tok.backend or folder is None or not (draft_tok.digest and target_tok.digest):
+    if draft_tok.backend is target_tok.backend or folder is None:
         return VocabMap.build(draft_tok, target_tok, draft_name, target_name)
     key = dict(format=VOCAB_FORMAT, draft=draft_tok.digest, target=target_tok.digest, n=n,
                tokenizers=tokenizers.__version__,
@@ -168,8 +169,7 @@ def vocab_tables(draft_tok, target_tok, n: int, draft_name="draft", target_name=
         os.replace(partial, path)  # whole or not at all, for another process reading it
     except (OSError, SafetensorError):
         pass  # a read-only cache: built again next time
-    return VocabMap(False, vmap.draft_to_target, vmap.target_to_draft, vmap.draft_backend, vmap.target_strings,
-                    vmap.draft_vocab, vmap.shared_text, (rows, lengths))
+    return dataclasses.replace(vmap, spellings=(rows, lengths))
 
 
 def read_tables(path: Path, key: dict, n: int) -> VocabMap | None:
