@@ -212,7 +212,7 @@ class Bench:
             graphs.capture([("target", batch, w) for w in widths], lambda key: steps[key[2]])
             row = {}
             for w in widths:
-                eager = self.clock(steps[w])
+                eager = self.clock(steps[w], iters=5)  # launch-bound (~20 ms for large-v3): few suffice
                 graphed = self.clock(lambda: graphs.run(("target", batch, w), steps[w]))
                 row[w] = dict(eager_ms=eager * 1e3, graphed_ms=graphed * 1e3)
             for w, ms in self.decode_ops_times(target, lambda w: steps[w], widths).items():
@@ -357,7 +357,7 @@ class Bench:
             cmd = [sys.executable, str(ROOT / "bench" / "gpu_hf.py"), "--device", str(self.device),
                    "--dtype", self.args.dtype, "--models", str(self.args.models),
                    "--max-new-tokens", str(self.args.max_new_tokens),
-                   "--batch", *map(str, self.args.batch[:1] if self.args.quick else self.args.batch)]
+                   "--batch", *map(str, self.args.batch[:1] if self.args.quick else self.args.hf_batch)]
             if compiled:
                 cmd.append("--compile")
             if self.args.quick:
@@ -426,8 +426,8 @@ class Bench:
             def call(n, mel=mel, k_draft=k_draft):
                 return engine.transcribe(mel, language="en", max_new_tokens=n, num_draft_tokens=k_draft)
             call(N)  # warm-up
-            full, results = self.clock_call(lambda: call(N))
-            half, _ = self.clock_call(lambda: call(N // 2))
+            full, results = self.clock_call(lambda: call(N), repeats=2)
+            half, _ = self.clock_call(lambda: call(N // 2), repeats=2)
             tokens = sum(len(r.tokens) for r in results)
             tokens_of[(name, batch)] = [r.tokens for r in results]
             stats = results[0].stats
@@ -451,7 +451,7 @@ class Bench:
         n_mels = WhisperConfig.from_hf(folder).num_mel_bins
         self.free_models()
         graphed = self.device.type == "cuda"
-        requests, seconds = (2, 35) if self.args.quick else (16, 60)
+        requests, seconds = (2, 35) if self.args.quick else (self.args.rtfx_requests, 60)
         g = torch.Generator().manual_seed(11)
         mels = [torch.randn(n_mels, seconds * 100, generator=g) for _ in range(requests)]
         out = dict(requests=requests, seconds_each=seconds, cuda_graphs=graphed, systems={})
@@ -541,10 +541,12 @@ class Bench:
         self.section("drafts", self.drafts)
         self.section("accept", self.accept)
         self.section("modeled", self.modeled)
-        self.section("near_ties", self.near_ties, min_seconds=20)
-        self.section("e2e", self.e2e, min_seconds=60)
+        # the goals' sections first (rtfx, then e2e's target-only per token and hf's, their ratio),
+        # the near-tie census last: a run cut by its budget loses the least
         self.section("rtfx", self.rtfx, min_seconds=60)
-        self.section("hf", self.hf, min_seconds=30)
+        self.section("e2e", self.e2e, min_seconds=60)
+        self.section("hf", self.hf, min_seconds=40)
+        self.section("near_ties", self.near_ties, min_seconds=20)
         self.results["seconds"] = time.perf_counter() - self.started
         self.save()
         return self.results
@@ -616,12 +618,16 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (1 8; quick 1 2)")
     ap.add_argument("--k", type=int, default=4, help="num_draft_tokens of the self-draft end-to-end run")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="end-to-end tokens per row (100; quick 8)")
-    ap.add_argument("--tie-trials", type=int, default=64, help="random prefixes per verify width (near ties)")
+    ap.add_argument("--tie-trials", type=int, default=32, help="random prefixes per verify width (near ties)")
     ap.add_argument("--hf-timeout", type=float, default=200, help="seconds for each transformers child")
     ap.add_argument("--no-compile", action="store_true", help="skip transformers static cache + torch.compile")
     ap.add_argument("--e2e-systems", nargs="+", default=None,
                     help="only these rows of the e2e section, e.g. target-only 'self-draft k=4'")
-    ap.add_argument("--rtfx-repeats", type=int, default=3, help="timed calls per rtfx system (median)")
+    ap.add_argument("--rtfx-repeats", type=int, default=2, help="timed calls per rtfx system (median)")
+    ap.add_argument("--rtfx-requests", type=int, default=64,
+                    help="concurrent 60 s requests in the rtfx section (one engine, max_batch of as many)")
+    ap.add_argument("--hf-batch", type=int, nargs="+", default=[1],
+                    help="batch sizes of the transformers rows (the goal's ratio is at B=1)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
                     help="run only these sections (no budget skips), e.g. rtfx hf")
     ap.add_argument("--budget", type=float, default=330, help="seconds; later sections are skipped past it")
