@@ -450,6 +450,14 @@ def test_interpreted_engine_on_decode_ops_speculative_equals_target_only(interpr
 
     expected = [r.tokens for r in engine(None).transcribe(mel, language="en", max_new_tokens=6)]
     assert all(len(t) >= 4 for t in expected)  # more than one verify pass a row at k = 3
+    # the two windows were admitted in one prefill (rows independent on the decode ops): the
+    # tokens they get admitted one at a time
+    from specwhisper.engine.runner import Runner
+
+    assert engine(None).runner.admits_together()
+    monkeypatch.setattr(Runner, "admit_together", False)
+    assert [r.tokens for r in engine(None).transcribe(mel, language="en", max_new_tokens=6)] == expected
+    monkeypatch.setattr(Runner, "admit_together", True)
     for d in (target, draft):
         e = engine(d)
         got = [r.tokens for r in e.transcribe(mel, language="en", max_new_tokens=6, num_draft_tokens=3)]

@@ -356,3 +356,33 @@ def test_the_adaptive_k_times_the_passes_beside_its_k_on_a_real_pair(mels):
     assert all(b >= a >= 1.0 for a, b in zip(v, v[1:])), v
     steps = [b - a for a, b in zip(v, v[1:]) if a > 1.0]  # a line (where above 1: a pass never costs less than a step)
     assert not steps or max(steps) - min(steps) < 1e-9, v
+
+
+@pytest.mark.parametrize("target,draft", [("base", "tiny.en"), ("tiny.en", "base"), ("base", "base-2l"), ("base", None)])
+def test_windows_admitted_together_decode_as_admitted_alone(target, draft, engines, mels, monkeypatch):
+    """Both windows of a batch share one prefill (`Runner.admit`, the C++ ops' rows independent):
+    greedy and sampled, one window and long-form with timestamps, the tokens, log-probabilities
+    and no-speech probabilities they get admitted one at a time."""
+    from specwhisper.engine.runner import Runner
+
+    engine = engines(target, draft, torch.float32)
+    assert engine.runner.admits_together()
+    sizes, admit = [], Runner.admit
+
+    def recorded(self, s, specs, *args):
+        sizes.append(len(specs))
+        return admit(self, s, specs, *args)
+
+    monkeypatch.setattr(Runner, "admit", recorded)
+    got = {}
+    for together in (True, False):
+        monkeypatch.setattr(Runner, "admit_together", together)
+        sizes.clear()
+        got[together] = [
+            [(r.tokens, [(s.avg_logprob, s.no_speech_prob, s.temperature) for s in r.segments])
+             for r in engine.transcribe(list(mels), max_new_tokens=MAX_NEW, **options)]
+            for options in (dict(language="en"), dict(language="en", temperature=0.7, seed=3),
+                            dict(language="en", timestamps=True, temperature=(0.0,)))]
+        assert max(sizes) == (2 if together else 1)
+    assert got[True] == got[False]
+    assert all(r[0] for options in got[True] for r in options)

@@ -209,3 +209,90 @@ def test_a_cancelled_longform_request_is_never_admitted_again(target):
     assert encoded == [1] and not engine.scheduler.has_work()
     with pytest.raises(CancelledError):
         future.result(timeout=0)
+
+
+def mixed_requests(engine, mels, prompt_words: str):
+    """Six windows submitted at once, before any iteration: one-window greedy and sampled rows
+    (prompts of 4 tokens), long-form rows with timestamps, greedy and sampled (3 tokens), one
+    with an initial prompt (longer)."""
+    return [engine.submit(mels[0], language="en", max_new_tokens=MAX_NEW),
+            engine.submit(mels[1], language="en", max_new_tokens=MAX_NEW, temperature=0.8, seed=3),
+            engine.submit(mels[2], language="en", timestamps=True, temperature=(0.0,), max_new_tokens=MAX_NEW),
+            engine.submit(mels[3], language="en", max_new_tokens=MAX_NEW + 7),
+            engine.submit(mels[4], language="en", timestamps=True, temperature=(0.0,), max_new_tokens=MAX_NEW,
+                          initial_prompt=prompt_words),
+            engine.submit(mels[5], language="en", timestamps=True, temperature=(0.6,), seed=11,
+                          max_new_tokens=MAX_NEW)]
+
+
+def outcome(result):
+    """Everything a window's admission decides, bit for bit: tokens, log-probabilities, no-speech."""
+    return result.tokens, [(s.tokens, s.avg_logprob, s.no_speech_prob, s.temperature) for s in result.segments]
+
+
+@pytest.mark.parametrize("draft", [None, "noisy"])
+def test_windows_admitted_together_get_the_bits_they_get_alone(draft, target, noisy, mels, monkeypatch):
+    """Windows whose prompts are one length share one prefill (`Runner.admit`): greedy, sampled and
+    long-form rows admitted together get the tokens, log-probabilities and no-speech probabilities
+    they get admitted one at a time; a group whose admission raises is admitted again one window at
+    a time."""
+    from specwhisper.engine.runner import Runner
+
+    folder = {None: None, "noisy": noisy}[draft]
+    sizes = []
+    admit = Runner.admit
+
+    def recorded(self, s, specs, *args):
+        sizes.append(len(specs))
+        return admit(self, s, specs, *args)
+
+    monkeypatch.setattr(Runner, "admit", recorded)
+    got = {}
+    for together in (False, True):
+        monkeypatch.setattr(Runner, "admit_together", together)
+        engine = Engine(target, folder, max_batch=8, background=False)
+        assert engine.runner.admits_together() == together
+        sizes.clear()
+        futures = mixed_requests(engine, mels, "one two three four five")
+        engine.run_until(futures)
+        got[together] = [outcome(f.result()) for f in futures]
+        # the first admission: one-window rows (4-token prompts) x 3, long-form rows x 2, the
+        # initial prompt's alone
+        assert sizes[:3] == ([3, 2, 1] if together else [1, 1, 1]), sizes
+    assert got[True] == got[False]
+
+    def group_fails(self, s, specs, *args):
+        if len(specs) > 1:
+            raise MemoryError("injected: a group too large")
+        return admit(self, s, specs, *args)
+
+    monkeypatch.setattr(Runner, "admit", group_fails)
+    engine = Engine(target, folder, max_batch=8, background=False)
+    futures = mixed_requests(engine, mels, "one two three four five")
+    engine.run_until(futures)
+    assert [outcome(f.result()) for f in futures] == got[False]
+
+
+def test_rows_admitted_together_need_row_independent_ops(target, mels, alone, monkeypatch):
+    """Where the decoder's rows are not computed independently of each other (torch's ops), windows
+    are admitted one at a time, and `Runner.admit` refuses a group outright."""
+    from specwhisper.engine.runner import Runner
+
+    seen = []
+    admit = Runner.admit
+
+    def recorded(self, s, specs, *args):
+        seen.append(specs)
+        return admit(self, s, specs, *args)
+
+    monkeypatch.setattr(Runner, "admit", recorded)
+    engine = Engine(target, max_batch=4, background=False)
+    monkeypatch.setattr(type(engine.runner.target.model.decoder), "rows_independent", lambda self: False)
+    assert not engine.runner.admits_together()
+    futures = [engine.submit(m, language="en", max_new_tokens=MAX_NEW + 7 * i) for i, m in enumerate(mels[:3])]
+    engine.run_until(futures)
+    assert [f.result().tokens for f in futures] == alone[:3]
+    assert [len(specs) for specs in seen] == [1, 1, 1]
+    features = engine.runner.encode_windows([mels[0]])[0]
+    with pytest.raises(ValueError, match="one window at a time"):
+        admit(engine.runner, 0, seen[0] + seen[1], [features, features], [None, None])

@@ -186,32 +186,53 @@ class Runner:
         best = lang_ids[logits[:, lang_ids].argmax(dim=-1)]
         return [tok.language_code(int(t)) for t in best.tolist()]
 
+    def admits_together(self) -> bool:
+        """Whether windows whose prompts are the same length can be admitted in one prefill: only
+        where the decoder's rows are computed independently of each other (the C++ decode ops, the
+        GPU decode ops), so a row's bits never depend on the rows admitted beside it. Elsewhere
+        (torch's ops: a GEMM's rounding may depend on its shape) one window at a time."""
+        return self.admit_together and self.target.model.decoder.rows_independent()
+
+    admit_together = True  # False: always one window at a time (the reference, for tests)
+
     @torch.inference_mode()
-    def admit(self, s: int, spec: SeqSpec, features: torch.Tensor, draft_mel: torch.Tensor | None) -> None:
-        """Fill slot `s`: cross K/V, prompt prefill, the first generated token, the draft's start."""
+    def admit(self, s: int, specs: list[SeqSpec], features: list[torch.Tensor],
+              draft_mels: list[torch.Tensor | None]) -> None:
+        """Fill slots s, s + 1, ... with windows whose prompts are all one length: cross K/V (one
+        window at a time), one prompt prefill for them all, their first generated tokens, their
+        drafts' start. One prefill instead of one a window: on a GPU an eager pass of large-v3 is
+        ≈ 800 kernel launches (17 ms) whatever its rows, 30% of 64 concurrent long-form requests'
+        time admitted one by one (bench/measured/gpu-h200.md); on a CPU the weights stream once."""
+        n, P = len(specs), len(specs[0].prompt)
+        if any(len(sp.prompt) != P for sp in specs) or not len(features) == len(draft_mels) == n:
+            raise ValueError("admit: one spec, features and draft mel a window, every prompt one length")
+        if n > 1 and not self.admits_together():
+            raise ValueError("admit: this decoder's rows are not row-independent; admit one window at a time")
         dec = self.target.model.decoder
-        rows = self.cache_rows(self.cache, s)
-        dec.fill_cross(rows, features[None])
-        P = len(spec.prompt)
-        prompt = torch.tensor([spec.prompt], device=self.device)
+        rows = DecoderCache(*(t[:, s:s + n] for t in self.cache.buffers()))
+        dec.fill_cross(rows, torch.stack(features))
+        prompt = torch.tensor([sp.prompt for sp in specs], device=self.device)
         # only the positions from the start-of-transcript token on are read (its no-speech
         # probability, the first token): the last layer skips the previous text's rest
-        keep = P - spec.sot_index if self.no_speech_id is not None else 1
-        hidden = dec.hidden(prompt, torch.arange(P, device=self.device)[None], rows, kv_len=P, keep=keep)
+        keep = max(P - sp.sot_index for sp in specs) if self.no_speech_id is not None else 1
+        positions = torch.arange(P, device=self.device)[None].repeat(n, 1)
+        hidden = dec.hidden(prompt, positions, rows, kv_len=P, keep=keep)
         st = self.state
-        st.admit(s, spec, P)
-        st.tokens[s, :P] = prompt[0]
-        # the draft starts at the row's first drafting iteration (`start_drafts`): while the
-        # adaptive k keeps speculation off, a draft with its own encoder costs nothing
-        pending = (spec, features, draft_mel) if self.drafter is not None and spec.use_draft else None
-        self.hosts[s] = HostSlot(spec, P, P + spec.max_new_tokens, pending)
+        for i, sp in enumerate(specs):
+            st.admit(s + i, sp, P)
+            # the draft starts at the row's first drafting iteration (`start_drafts`): while the
+            # adaptive k keeps speculation off, a draft with its own encoder costs nothing
+            pending = (sp, features[i], draft_mels[i]) if self.drafter is not None and sp.use_draft else None
+            self.hosts[s + i] = HostSlot(sp, P, P + sp.max_new_tokens, pending)
+        st.tokens[s:s + n, :P] = prompt
         if self.no_speech_id is not None:
-            sot_logits = dec.logits(hidden[0, spec.sot_index - (P - hidden.shape[1])]).float()
-            st.no_speech[s] = sot_logits.softmax(-1)[self.no_speech_id]
-        # the first token: the prompt's last position, as if it were a one-position verify pass
-        slot = torch.tensor([s], device=self.device)
-        first, logits = self.choose(hidden[:, -1:], slot, st.n_tokens[slot] - 1, self.modes_of([spec]), first=True)
-        self.commit_target(slot, first, torch.ones(1, dtype=torch.long, device=self.device), logits, hidden[:, -1:])
+            at = torch.tensor([sp.sot_index - (P - hidden.shape[1]) for sp in specs], device=self.device)
+            sot_logits = dec.logits(hidden[torch.arange(n, device=self.device), at]).float()
+            st.no_speech[s:s + n] = sot_logits.softmax(-1)[:, self.no_speech_id]
+        # the first tokens: the prompts' last position, as if it were a one-position verify pass
+        slots = torch.arange(s, s + n, device=self.device)
+        first, logits = self.choose(hidden[:, -1:], slots, st.n_tokens[slots] - 1, self.modes_of(specs), first=True)
+        self.commit_target(slots, first, torch.ones(n, dtype=torch.long, device=self.device), logits, hidden[:, -1:])
 
     def pending_generated(self, B: int) -> float | None:
         """Tokens generated so far by the rows among the first B whose draft is still to start

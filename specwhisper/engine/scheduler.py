@@ -123,17 +123,42 @@ class Scheduler:
             else:
                 for r, code in zip(detect, codes):
                     r.window.language = code
-        return [r for r in joining if self._try(r, self._admit)]
+        specs: dict[int, SeqSpec] = {}
+        joining = [r for r in joining if self._try(r, lambda r: specs.__setitem__(id(r), self._spec(r)))]
+        # windows whose prompts are one length share one prefill where the runner's rows are
+        # independent of each other (`Runner.admits_together`); a group whose admission raises is
+        # admitted again one window at a time, so only the windows that fail alone fail
+        groups: dict[int, list[Request]] = {}
+        together = self.runner.admits_together()
+        for r in joining:
+            groups.setdefault(len(specs[id(r)].prompt) if together else id(r), []).append(r)
+        admitted = []
+        for group in groups.values():
+            if len(group) > 1:
+                try:
+                    self._admit(group, [specs[id(r)] for r in group])
+                except Exception:
+                    pass
+                else:
+                    admitted += group
+                    continue
+            admitted += [r for r in group if self._try(r, lambda r: self._admit([r], [specs[id(r)]]))]
+        return admitted
 
-    def _admit(self, req: Request) -> None:
+    def _spec(self, req: Request) -> SeqSpec:
+        """The sequence `req`'s window decodes (the draft stood aside where it does not apply)."""
         spec = req.window.spec(req.window.language)
         reason = self.draft_skip(spec.language, spec.task) if self.runner.drafter is not None else None
         if reason is not None:
             spec.use_draft = False
             req.stats.draft_skipped = reason
+        return spec
+
+    def _admit(self, group: list[Request], specs: list[SeqSpec]) -> None:
+        """Fill the next free slots with `group`'s windows (prompts of one length)."""
         slot = len(self.running)
-        self.runner.admit(slot, spec, req.window.features, req.window.mel)
-        self.running.append(req)  # only once the slot is filled
+        self.runner.admit(slot, specs, [r.window.features for r in group], [r.window.mel for r in group])
+        self.running += group  # only once the slots are filled
 
     def _try(self, req: Request, admission_step) -> bool:
         """Run one admission step for `req` -> whether it succeeded (else the request failed)."""

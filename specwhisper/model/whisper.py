@@ -459,6 +459,14 @@ class Decoder(nn.Module):
         return (self.fused_ops is None and cpu_ops.active(self.embed_tokens.weight)
                 and getattr(self.layers[0].self_attn, "fused_names", None) == ("q", "k", "v"))
 
+    def rows_independent(self) -> bool:
+        """A pass's rows are computed independently of each other, bit for bit (the C++ decode
+        ops, the GPU decode ops): a row's hidden states, cache entries and logits are the same
+        whatever rows run beside it (`Runner.admit` prefills windows together only then). Asked
+        as an inference pass would find it (the C++ ops never record gradients)."""
+        with torch.no_grad():
+            return self.fused_ops is not None or self.cpu_rows()
+
     def cpu_fused(self) -> bool:
         """A whole step is one C++ call (`cpu_ops.decoder_step`)."""
         return self.fused_step and self.cpu_rows()
