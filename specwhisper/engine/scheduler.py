@@ -129,7 +129,7 @@ class Scheduler:
         # independent of each other (`Runner.admits_together`); a group whose admission raises is
         # admitted again one window at a time, so only the windows that fail alone fail
         groups: dict[int, list[Request]] = {}
-        together = self.runner.admits_together()
+        together = len(joining) > 1 and self.runner.admits_together()
         for r in joining:
             groups.setdefault(len(specs[id(r)].prompt) if together else id(r), []).append(r)
         admitted = []
