@@ -29,7 +29,8 @@ def test_gpu_suite_quick_runs_on_cpu(tmp_path):
     assert results["errors"] == {} and results["skipped"] == {}, results["errors"] or results["skipped"]
     for section in ("bandwidth", "steps", "drafts", "accept", "modeled", "near_ties", "e2e", "hf"):
         assert section in results, section
-    assert results["e2e"]["tiny_draft"].startswith("refused: ") and "mel" in results["e2e"]["tiny_draft"]
+    tiny = results["e2e"]["tiny_draft"]  # tiny (80 mel bins) drafting large-v3 (128) from the audio
+    assert tiny.startswith("accepted: ") and "tokens equal: yes" in tiny and "stood aside" not in tiny, tiny
     self_draft = results["e2e"]["systems"]["self-draft k=4"]["1"]
     assert self_draft["acceptance"] == 1.0 and self_draft["same_tokens_as_target_only"]
     assert results["near_ties"]["by_width"]["2"]["positions"] > 0

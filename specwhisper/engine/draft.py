@@ -55,10 +55,10 @@ class Drafter:
         # own-encoder passes run (`encode`): the first packs the encoder's weights (`Speculation`
         # does not charge it as a window's setup)
         self.encodes = 0
-        if not shared_encoder and dcfg.num_mel_bins != tcfg.num_mel_bins:
-            raise ValueError(f"draft {draft.path} expects {dcfg.num_mel_bins} mel bins but target "
-                             f"{target.path} expects {tcfg.num_mel_bins}; use a draft with the same "
-                             "mel front end")
+        # a draft with its own encoder and another mel front end (tiny's 80 bins drafting
+        # large-v3's 128) reads log-mels of its own, made from the same audio (`Engine`): its
+        # proposals only ever change the speed, never the output
+        self.own_mels = dcfg.num_mel_bins if not shared_encoder and dcfg.num_mel_bins != tcfg.num_mel_bins else None
         self.vocab = vocab_tables(draft.tokenizer, target.tokenizer, tcfg.vocab_size, draft.path, target.path)
         self.pruned = head_tokens is not None  # greedy proposals among a subset of the vocabulary
         self.head_tokens = head_tokens

@@ -259,11 +259,11 @@ class Engine:
         `on_window(request, output, features)` sees each window decoded (fallback attempts too):
         its `WindowRequest`, `SeqOutput` and target encoder output [1500, d]. `max_new_tokens` caps
         each window (openai's sample_len, at most SAMPLE_LEN = 224)."""
-        single, mel = self._as_mel(audio, whole=True)
+        single, mel, draft_mel = self._as_mel(audio, whole=True)
         if not single:
             raise ValueError("transcribe_long takes one recording")
         check_sample_len(max_new_tokens)
-        job = self._longform_job(mel, options, seed, None, progress)
+        job = self._longform_job(mel, options, seed, None, progress, draft_mel)
         job.on_window, job.sample_len = on_window, max_new_tokens
         future = self._enqueue(job)
         self._wait([future])
@@ -327,7 +327,7 @@ class Engine:
             timestamps = True
         elif hallucination_silence_threshold is not None:
             raise ValueError("hallucination_silence_threshold needs word_timestamps=True")
-        single, mel = self._as_mel(x, whole=bool(timestamps))
+        single, mel, draft_mel = self._as_mel(x, whole=bool(timestamps))
         long = single and (mel.shape[-1] > N_FRAMES or bool(timestamps))
         if long or initial_prompt is not None or isinstance(temperature, (tuple, list)):
             if not single:
@@ -348,7 +348,7 @@ class Engine:
                                         hallucination_silence_threshold=hallucination_silence_threshold)
             if num_draft_tokens is not None:
                 DecodeOptions(num_draft_tokens=num_draft_tokens)  # validates k
-            job = self._longform_job(mel, options, seed, num_draft_tokens, progress)
+            job = self._longform_job(mel, options, seed, num_draft_tokens, progress, draft_mel)
             job.on_segment, job.sample_len = on_segment, max_new_tokens
             return True, [self._enqueue(job)]
         opts = DecodeOptions(language, task, 0.0 if temperature is None else temperature, top_p,
@@ -363,15 +363,17 @@ class Engine:
             raise ValueError(f"max_new_tokens={opts.max_new_tokens} plus the {prompt_len}-token prompt exceeds "
                              f"the decoder cache of {limit} positions")
         frames = min(mel.shape[-1], N_FRAMES)
+        draft_batch = None if draft_mel is None else self._check_mel(draft_mel, self.drafter.own_mels)
         futures = []
         for i, row in enumerate(batch):
             # row i of a batch samples with seed + i: rows differ, and each row reproduces
             seed_i = opts.seed + i if opts.seed is not None else random.getrandbits(62)
-            job = ShortJob(row, frames / FRAMES_PER_SECOND, opts, tok, limit, seed_i)
+            job = ShortJob(row, frames / FRAMES_PER_SECOND, opts, tok, limit, seed_i,
+                           None if draft_batch is None else draft_batch[i])
             futures.append(self._enqueue(job))
         return single, futures
 
-    def _longform_job(self, mel, options, seed, num_draft_tokens, progress) -> LongformRequest:
+    def _longform_job(self, mel, options, seed, num_draft_tokens, progress, draft_mel=None) -> LongformRequest:
         if mel.ndim != 2 or mel.shape[0] != self.n_mels or mel.shape[1] == 0:
             raise ValueError(f"long-form input must be audio or a log-mel [{self.n_mels}, frames], "
                              f"got shape {tuple(mel.shape)}")
@@ -384,7 +386,8 @@ class Engine:
         if options.word_timestamps:
             self.target.alignment_heads  # noqa: B018 (ValueError for a model without known alignment heads)
         seed = seed if seed is not None else random.getrandbits(62)
-        return LongformRequest(mel, options, tok, seed, num_draft_tokens, progress)
+        draft_mel = None if draft_mel is None else draft_mel.to(self.device, torch.float32)
+        return LongformRequest(mel, options, tok, seed, num_draft_tokens, progress, draft_mel)
 
     def _enqueue(self, job) -> RequestFuture:
         future = RequestFuture()
@@ -436,9 +439,11 @@ class Engine:
             self.scheduler.postprocess(progress)
 
     # ---------------------------------------------------------------- input checks
-    def _as_mel(self, x, whole: bool = False) -> tuple[bool, torch.Tensor]:
-        """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames]).
-        Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a log-mel here."""
+    def _as_mel(self, x, whole: bool = False) -> tuple[bool, torch.Tensor, torch.Tensor | None]:
+        """Any accepted input -> (single?, mel [n_mels, frames] or [batch, n_mels, frames], the
+        draft's mel). Audio (a path, encoded bytes, or a 1-D 16 kHz waveform) is turned into a
+        log-mel here, and into the draft's too where the draft has its own mel front end
+        (`Drafter.own_mels`; else, and for log-mel input, None)."""
         from ..audio import HOP_LENGTH, load_audio, log_mel_spectrogram
 
         if isinstance(x, (str, bytes, bytearray, memoryview)) or hasattr(x, "__fspath__"):
@@ -448,13 +453,22 @@ class Engine:
         if isinstance(x, torch.Tensor) and x.ndim == 1:
             if x.numel() == 0:
                 raise ValueError("audio is empty (0 samples)")
+            own = self.drafter.own_mels if self.drafter is not None else None
             if whole or x.numel() > N_FRAMES * HOP_LENGTH:  # the whole recording's log-mel: long-form
-                return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels, whole=True)
-            frames = -(-x.numel() // HOP_LENGTH)
-            return True, log_mel_spectrogram(x.float(), n_mels=self.n_mels)[:, :frames]
-        return getattr(x, "ndim", None) == 2, x
+                def mel_of(n):
+                    return log_mel_spectrogram(x.float(), n_mels=n, whole=True)
+            else:
+                frames = -(-x.numel() // HOP_LENGTH)
 
-    def _check_mel(self, mel) -> torch.Tensor:
+                def mel_of(n):
+                    return log_mel_spectrogram(x.float(), n_mels=n)[:, :frames]
+            return True, mel_of(self.n_mels), mel_of(own) if own else None
+        return getattr(x, "ndim", None) == 2, x, None
+
+    def _check_mel(self, mel, n_mels: int | None = None) -> torch.Tensor:
+        """A log-mel input of `n_mels` bins (default: the target's) -> a float32 batch [B, n_mels,
+        3000] on the device, padded past the clip's end as Whisper pads audio with silence."""
+        n_mels = n_mels or self.n_mels
         if isinstance(mel, np.ndarray):
             mel = torch.from_numpy(mel)
         if not isinstance(mel, torch.Tensor):
@@ -466,8 +480,8 @@ class Engine:
         batch = mel if mel.ndim == 3 else mel[None]
         if batch.shape[0] == 0:
             raise ValueError("mel batch is empty")
-        if batch.shape[1] != self.n_mels:
-            raise ValueError(f"mel has {batch.shape[1]} mel bins but the target expects n_mels={self.n_mels} "
+        if batch.shape[1] != n_mels:
+            raise ValueError(f"mel has {batch.shape[1]} mel bins but the target expects n_mels={n_mels} "
                              f"(shape {tuple(mel.shape)})")
         frames = batch.shape[2]
         if not 0 < frames <= N_FRAMES:

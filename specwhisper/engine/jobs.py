@@ -4,7 +4,7 @@ without signal (`audio.is_silent`: digital silence or dither) is not decoded: it
 and no language is guessed from it (Whisper turns such windows into confident hallucinations)."""
 from __future__ import annotations
 
-from ..audio import is_silent
+from ..audio import N_FRAMES, is_silent
 from ..config import DecodeOptions
 from ..results import Segment, Transcription
 from .scheduler import Window
@@ -12,8 +12,10 @@ from .slots import SeqOutput, SeqSpec
 
 
 class ShortJob:
-    def __init__(self, mel, duration: float, opts: DecodeOptions, tokenizer, max_positions: int, seed: int):
+    def __init__(self, mel, duration: float, opts: DecodeOptions, tokenizer, max_positions: int, seed: int,
+                 draft_mel=None):
         self.mel, self.duration, self.opts, self.tok = mel, duration, opts, tokenizer
+        self.draft_mel = draft_mel  # the draft's log-mel of the same audio (`Drafter.own_mels`), or None
         self.max_positions, self.seed = max_positions, seed
         self.output: SeqOutput | None = None
         self.language = opts.language.lower() if opts.language and tokenizer.multilingual else None
@@ -37,7 +39,7 @@ class ShortJob:
         self.sent = True
         if self.silent:
             return None
-        return Window(self.mel, self.spec, self.language)
+        return Window(self.mel, self.spec, self.language, draft_mel=self.draft_mel)
 
     def record(self, output: SeqOutput, language: str | None) -> None:
         self.output, self.language = output, language
@@ -63,10 +65,14 @@ class LongformRequest:
     with `skip_silence`, on the first 30 s window that holds signal, and a recording silent
     throughout gets no language). A window's encoder output is kept for its fallback retries."""
 
-    def __init__(self, mel_full, options, tokenizer, seed: int, num_draft_tokens, progress=None):
+    def __init__(self, mel_full, options, tokenizer, seed: int, num_draft_tokens, progress=None,
+                 draft_mel_full=None):
         from ..audio import N_FRAMES, pad_or_trim
 
         self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
+        # the draft's log-mel of the whole recording (`Drafter.own_mels`): each window's is cut at
+        # the same frames as the target's (both front ends hop 10 ms); None: the target's serves
+        self.draft_mel_full = draft_mel_full
         self.k, self.progress = num_draft_tokens, progress
         self.on_segment = None  # called with each kept segment, in order
         self.on_window = None  # called with (WindowRequest, SeqOutput, encoder output) of each window decoded
@@ -104,7 +110,8 @@ class LongformRequest:
     def next_window(self) -> Window | None:
         if self.job is None and self.options.language is None and self.tok.multilingual:
             if self.detect_seek is not None:
-                return Window(self.first_mel, self._first_spec, None)
+                return Window(self.first_mel, self._first_spec, None,
+                              draft_mel=self._draft_mel(self.detect_seek, N_FRAMES))
             self._start("en")  # silent throughout: no window is decoded, no language reported
             self.silent_throughout = True
         if self.job is None:
@@ -114,7 +121,16 @@ class LongformRequest:
             return None
         seek, features = self.kept
         return Window(self.request.mel, self._spec, self.request.language,
-                      features if seek == self.request.seek else None)
+                      features if seek == self.request.seek else None,
+                      self._draft_mel(self.request.seek, self.job.segment_size))
+
+    def _draft_mel(self, seek: int, frames: int):
+        """The draft's mel of the window of `frames` frames at `seek`, as the target's is cut."""
+        from ..audio import pad_or_trim
+
+        if self.draft_mel_full is None:
+            return None
+        return pad_or_trim(self.draft_mel_full[:, seek:seek + frames], N_FRAMES)
 
     def _first_spec(self, language) -> SeqSpec:
         self._start(language)

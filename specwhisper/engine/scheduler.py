@@ -29,6 +29,8 @@ class Window:
     spec: Callable[[str | None], SeqSpec]  # the sequence to decode, given the (detected) language
     language: str | None  # None: detect it from this window (multilingual targets)
     features: torch.Tensor | None = None  # the target encoder's output, kept for retries
+    draft_mel: torch.Tensor | None = None  # [draft's n_mels, 3000] for a draft with its own mel
+    # front end (`Drafter.own_mels`), from the same audio; None: the target's mel serves
 
 
 class Job(Protocol):
@@ -148,7 +150,11 @@ class Scheduler:
     def _spec(self, req: Request) -> SeqSpec:
         """The sequence `req`'s window decodes (the draft stood aside where it does not apply)."""
         spec = req.window.spec(req.window.language)
-        reason = self.draft_skip(spec.language, spec.task) if self.runner.drafter is not None else None
+        drafter = self.runner.drafter
+        reason = self.draft_skip(spec.language, spec.task) if drafter is not None else None
+        if reason is None and drafter is not None and drafter.own_mels and req.window.draft_mel is None:
+            reason = (f"the draft reads {drafter.own_mels}-bin log-mels and the request came as the target's "
+                      "log-mel; give audio to draft it")
         if reason is not None:
             spec.use_draft = False
             req.stats.draft_skipped = reason
@@ -157,7 +163,8 @@ class Scheduler:
     def _admit(self, group: list[Request], specs: list[SeqSpec]) -> None:
         """Fill the next free slots with `group`'s windows (prompts of one length)."""
         slot = len(self.running)
-        self.runner.admit(slot, specs, [r.window.features for r in group], [r.window.mel for r in group])
+        self.runner.admit(slot, specs, [r.window.features for r in group],
+                          [r.window.mel if r.window.draft_mel is None else r.window.draft_mel for r in group])
         self.running += group  # only once the slots are filled
 
     def _try(self, req: Request, admission_step) -> bool:
