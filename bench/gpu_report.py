@@ -51,7 +51,7 @@ def goals(r: dict) -> list[list]:
     speedup = best({k: at(r.get("modeled"), k, "table", "0.8:5", "speedup") for k in names}, *names, larger=True)
     # the engine's default sampled path (the race kernel over the k + 1 positions) when timed
     acc = at(accept, "rows", 1, 4, "race_graphed_us") or at(accept, "rows", 1, 4, "sample_graphed_us")
-    rtfx = max((t["rtfx"] for t in (at(r.get("rtfx"), "systems") or {}).values()), default=None)
+    rtfx = max((t["rtfx"] for t in (at(r.get("rtfx"), "systems") or {}).values() if "rtfx" in t), default=None)
     ratio = target / floor if target and floor else None
     hf_ratio = theirs / ours if theirs and ours else None
     check = lambda ok: None if ok is None else ("met" if ok else "missed")  # noqa: E731
@@ -156,11 +156,12 @@ def markdown(r: dict) -> str:
     if rtfx:
         rows = [[name, t["rtfx"], t["wall_s"], t["tokens"], t["tokens_per_s"], t.get("iterations"),
                  t.get("ms_per_iteration"), t.get("decode_ops"), t.get("same_tokens_as_target_only")]
-                for name, t in rtfx["systems"].items()]
+                for name, t in rtfx["systems"].items() if "rtfx" in t]
         lines += [f"## Concurrent long-form: {rtfx['requests']} requests of {rtfx['seconds_each']} s in one engine "
                   "(random mels, greedy, no previous text)", ""]
         lines += table(["system", "RTFx (audio s per wall s)", "wall s", "tokens", "tokens/s", "iterations",
                         "ms / iteration", "decode ops", "= target-only"], rows) + [""]
+        lines += [f"- {name}: {t['skipped']}" for name, t in rtfx["systems"].items() if "skipped" in t]
         if rtfx.get("host_profile"):
             lines += ["Host time of one target-only call (cProfile, by own time):", ""]
             lines += table(["function", "calls", "own s", "cumulative s"],
