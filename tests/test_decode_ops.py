@@ -504,3 +504,45 @@ def test_cuda_engine_defaults_to_decode_ops_in_half_precision_and_longform_is_to
         assert engine.decode_ops is True
         got = [r.tokens for r in engine.transcribe(mels, language="en", temperature=(0.0,), num_draft_tokens=3)]
         assert got == expected, d.name
+
+
+@on_cuda
+def test_cuda_windows_admitted_together_get_the_bits_they_get_alone(tmp_path, monkeypatch):
+    """On the GPU decode ops in float16 (rows independent), windows whose prompts are one length
+    share one prefill: the tokens, log-probabilities and no-speech probabilities of one-window and
+    long-form requests equal those of windows admitted one at a time."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+    from specwhisper.engine.runner import Runner
+
+    target = make_checkpoint(tmp_path / "target", d_model=256, decoder_layers=2, heads=4, init_std=0.05)
+    g = torch.Generator().manual_seed(2)
+    mels = [torch.randn(80, 3000, generator=g) for _ in range(4)]
+    got = {}
+    for together in (True, False):
+        monkeypatch.setattr(Runner, "admit_together", together)
+        engine = Engine(target, device="cuda", dtype=torch.float16)
+        assert engine.runner.admits_together() == together
+        short = engine.transcribe(mels, language="en", max_new_tokens=20)
+        longform = engine.transcribe(mels[:2], language="en", timestamps=True, temperature=(0.0,), max_new_tokens=20)
+        got[together] = [(r.tokens, [(s.avg_logprob, s.no_speech_prob) for s in r.segments]) for r in short + longform]
+    assert got[True] == got[False]
+
+
+@on_cuda
+def test_cuda_draft_with_other_mel_bins_drafts_from_the_audio(tmp_path):
+    """A draft with 80 mel bins and its own encoder drafting a 128-bin target on CUDA in float16
+    (tiny drafting large-v3): from audio, the draft drafts and the tokens are target-only's."""
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    target = make_checkpoint(tmp_path / "v3", vocab_size=51866, n_mels=128, d_model=256, heads=4, init_std=0.05)
+    draft = make_checkpoint(tmp_path / "tiny", vocab_size=51865, n_mels=80, d_model=128, heads=2, init_std=0.05)
+    audio = 0.1 * torch.randn(40 * 16000, generator=torch.Generator().manual_seed(4))
+    plain = Engine(target, device="cuda", dtype=torch.float16)
+    drafted = Engine(target, draft=draft, device="cuda", dtype=torch.float16)
+    for options in (dict(language="en", max_new_tokens=20), dict(language="en", temperature=(0.0,))):
+        x = audio[:20 * 16000] if "max_new_tokens" in options else audio
+        expected = plain.transcribe(x, **options)
+        got = drafted.transcribe(x, num_draft_tokens=3, **options)
+        assert got.tokens == expected.tokens and got.stats.draft_passes > 0 and got.stats.draft_skipped is None
