@@ -88,3 +88,19 @@ def recording(tmp_path_factory):
     from whisper_ref import flite_audio_or_skip
 
     return flite_audio_or_skip(tmp_path_factory, "longform", 62.0, seed=3)
+
+
+@pytest.fixture
+def admitted(monkeypatch):
+    """The number of windows of each `Runner.admit` call (one prefill each), recorded in order;
+    the test may clear the list between calls."""
+    from specwhisper.engine.runner import Runner
+
+    sizes, admit = [], Runner.admit
+
+    def recorded(self, s, specs, *args):
+        sizes.append(len(specs))
+        return admit(self, s, specs, *args)
+
+    monkeypatch.setattr(Runner, "admit", recorded)
+    return sizes

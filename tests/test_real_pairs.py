@@ -359,7 +359,7 @@ def test_the_adaptive_k_times_the_passes_beside_its_k_on_a_real_pair(mels):
 
 
 @pytest.mark.parametrize("target,draft", [("base", "tiny.en"), ("tiny.en", "base"), ("base", "base-2l"), ("base", None)])
-def test_windows_admitted_together_decode_as_admitted_alone(target, draft, engines, mels, monkeypatch):
+def test_windows_admitted_together_decode_as_admitted_alone(target, draft, engines, mels, admitted, monkeypatch):
     """Both windows of a batch share one prefill (`Runner.admit`, the C++ ops' rows independent):
     greedy and sampled, one window and long-form with timestamps, the tokens, log-probabilities
     and no-speech probabilities they get admitted one at a time."""
@@ -367,13 +367,7 @@ def test_windows_admitted_together_decode_as_admitted_alone(target, draft, engin
 
     engine = engines(target, draft, torch.float32)
     assert engine.runner.admits_together()
-    sizes, admit = [], Runner.admit
-
-    def recorded(self, s, specs, *args):
-        sizes.append(len(specs))
-        return admit(self, s, specs, *args)
-
-    monkeypatch.setattr(Runner, "admit", recorded)
+    sizes = admitted
     got = {}
     for together in (True, False):
         monkeypatch.setattr(Runner, "admit_together", together)

@@ -231,7 +231,7 @@ def outcome(result):
 
 
 @pytest.mark.parametrize("draft", [None, "noisy"])
-def test_windows_admitted_together_get_the_bits_they_get_alone(draft, target, noisy, mels, monkeypatch):
+def test_windows_admitted_together_get_the_bits_they_get_alone(draft, target, noisy, mels, admitted, monkeypatch):
     """Windows whose prompts are one length share one prefill (`Runner.admit`): greedy, sampled and
     long-form rows admitted together get the tokens, log-probabilities and no-speech probabilities
     they get admitted one at a time; a group whose admission raises is admitted again one window at
@@ -239,14 +239,7 @@ def test_windows_admitted_together_get_the_bits_they_get_alone(draft, target, no
     from specwhisper.engine.runner import Runner
 
     folder = {None: None, "noisy": noisy}[draft]
-    sizes = []
-    admit = Runner.admit
-
-    def recorded(self, s, specs, *args):
-        sizes.append(len(specs))
-        return admit(self, s, specs, *args)
-
-    monkeypatch.setattr(Runner, "admit", recorded)
+    sizes, admit = admitted, Runner.admit
     got = {}
     for together in (False, True):
         monkeypatch.setattr(Runner, "admit_together", together)
