@@ -122,9 +122,6 @@ class Runner:
             self.caches.append(self.draft_side.cache)
 
     # ---------------------------------------------------------------- slots
-    def cache_rows(self, cache: DecoderCache, s: int) -> DecoderCache:
-        return DecoderCache(*(t[:, s:s + 1] for t in cache.buffers()))
-
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` into slot `dst` (compaction after `dst` was freed)."""
         self.state.move(src, dst)
@@ -207,7 +204,7 @@ class Runner:
         if any(len(sp.prompt) != P for sp in specs) or not len(features) == len(draft_mels) == n:
             raise ValueError("admit: one spec, features and draft mel a window, every prompt one length")
         if n > 1 and not self.admits_together():
-            raise ValueError("admit: this decoder's rows are not row-independent; admit one window at a time")
+            raise ValueError("admit: this decoder does not compute its rows independently; admit one window at a time")
         dec = self.target.model.decoder
         rows = DecoderCache(*(t[:, s:s + n] for t in self.cache.buffers()))
         dec.fill_cross(rows, torch.stack(features))
