@@ -453,15 +453,13 @@ class Engine:
         if isinstance(x, torch.Tensor) and x.ndim == 1:
             if x.numel() == 0:
                 raise ValueError("audio is empty (0 samples)")
-            own = self.drafter.own_mels if self.drafter is not None else None
-            if whole or x.numel() > N_FRAMES * HOP_LENGTH:  # the whole recording's log-mel: long-form
-                def mel_of(n):
-                    return log_mel_spectrogram(x.float(), n_mels=n, whole=True)
-            else:
-                frames = -(-x.numel() // HOP_LENGTH)
+            whole = whole or x.numel() > N_FRAMES * HOP_LENGTH  # the whole recording's log-mel: long-form
+            frames = None if whole else -(-x.numel() // HOP_LENGTH)  # one window: its frames of audio
+            x = x.float()
 
-                def mel_of(n):
-                    return log_mel_spectrogram(x.float(), n_mels=n)[:, :frames]
+            def mel_of(n):
+                return log_mel_spectrogram(x, n_mels=n, whole=whole)[:, :frames]
+            own = self.drafter.own_mels if self.drafter is not None else None
             return True, mel_of(self.n_mels), mel_of(own) if own else None
         return getattr(x, "ndim", None) == 2, x, None
 

@@ -4,7 +4,7 @@ without signal (`audio.is_silent`: digital silence or dither) is not decoded: it
 and no language is guessed from it (Whisper turns such windows into confident hallucinations)."""
 from __future__ import annotations
 
-from ..audio import N_FRAMES, is_silent
+from ..audio import N_FRAMES, is_silent, pad_or_trim
 from ..config import DecodeOptions
 from ..results import Segment, Transcription
 from .scheduler import Window
@@ -67,8 +67,6 @@ class LongformRequest:
 
     def __init__(self, mel_full, options, tokenizer, seed: int, num_draft_tokens, progress=None,
                  draft_mel_full=None):
-        from ..audio import N_FRAMES, pad_or_trim
-
         self.mel_full, self.options, self.tok, self.seed = mel_full, options, tokenizer, seed
         # the draft's log-mel of the whole recording (`Drafter.own_mels`): each window's is cut at
         # the same frames as the target's (both front ends hop 10 ms); None: the target's serves
@@ -89,8 +87,6 @@ class LongformRequest:
     def _first_sound(self) -> int | None:
         """The mel frame where the first window with signal starts (the job's windows, as it
         skips silent ones, start at multiples of 30 s until the first is decoded), or None."""
-        from ..audio import N_FRAMES, is_silent
-
         floor = float(self.mel_full.max()) - 2.0
         for seek in range(0, self.mel_full.shape[-1], N_FRAMES):
             if not is_silent(self.mel_full[:, seek:seek + N_FRAMES], floor):
@@ -126,8 +122,6 @@ class LongformRequest:
 
     def _draft_mel(self, seek: int, frames: int):
         """The draft's mel of the window of `frames` frames at `seek`, as the target's is cut."""
-        from ..audio import pad_or_trim
-
         if self.draft_mel_full is None:
             return None
         return pad_or_trim(self.draft_mel_full[:, seek:seek + frames], N_FRAMES)

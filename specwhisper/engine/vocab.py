@@ -13,8 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tokenizers
@@ -169,7 +168,7 @@ def vocab_tables(draft_tok, target_tok, n: int, draft_name="draft", target_name=
         os.replace(partial, path)  # whole or not at all, for another process reading it
     except (OSError, SafetensorError):
         pass  # a read-only cache: built again next time
-    return dataclasses.replace(vmap, spellings=(rows, lengths))
+    return replace(vmap, spellings=(rows, lengths))
 
 
 def read_tables(path: Path, key: dict, n: int) -> VocabMap | None:
