@@ -1583,7 +1583,7 @@ TopList merged(const std::vector<TopList>& tops, int64_t n_chunks, int64_t N, in
 template <int Bits>
 at::Tensor quant_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
                         const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned,
-                        const char* name) {
+                        const char* name, float* margins = nullptr) {
   const Q4Shape shape(hidden, packed, scale, weight, name, Bits);
   const int64_t V = shape.V, K = shape.K, blocks = shape.blocks;
   TORCH_CHECK(candidates >= 1, name, ": candidates must be >= 1");
@@ -1634,24 +1634,45 @@ at::Tensor quant_argmax(const at::Tensor& hidden, const at::Tensor& packed, cons
     for (const auto& item : all.items) ids.push_back(item.second);
     std::sort(ids.begin(), ids.end());
     int64_t best_id = -1;
-    float best = -INFINITY;
+    float best = -INFINITY, second = -INFINITY;
     for (int64_t v : ids) {
       const float exact = vec ? dot_avx2(hp + r * K, wp + v * K, K) : dot_scalar(hp + r * K, wp + v * K, K);
-      if (best_id < 0 || exact > best) best = exact, best_id = v;
+      if (best_id < 0 || exact > best) {
+        if (best_id >= 0) second = best;
+        best = exact, best_id = v;
+      } else if (exact > second) {
+        second = exact;
+      }
     }
     op[r] = best_id < 0 ? 0 : best_id;
+    // the proposal's lead over the next candidate, exact logits (none above -inf: infinite)
+    if (margins) margins[r] = second == -INFINITY ? INFINITY : best - second;
   }
   return out;
 }
 
+// margins (optional, float32 [N], written): each proposal's exact logit minus the best other
+// candidate's (`draft_greedy`'s stopping rule; spec: head.py `Q4Head.argmax_reference`).
+inline float* margin_rows(const c10::optional<at::Tensor>& margins, const at::Tensor& hidden, const char* name) {
+  if (!margins) return nullptr;
+  TORCH_CHECK(margins->scalar_type() == at::kFloat && margins->is_contiguous() &&
+                  margins->numel() == hidden.numel() / std::max<int64_t>(1, hidden.size(-1)),
+              name, ": margins must be contiguous float32 [N]");
+  return margins->data_ptr<float>();
+}
+
 at::Tensor q4_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
-  return quant_argmax<4>(hidden, packed, scale, weight, candidates, banned, "q4_argmax");
+                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned,
+                     const c10::optional<at::Tensor>& margins) {
+  return quant_argmax<4>(hidden, packed, scale, weight, candidates, banned, "q4_argmax",
+                         margin_rows(margins, hidden, "q4_argmax"));
 }
 
 at::Tensor q2_argmax(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned) {
-  return quant_argmax<2>(hidden, packed, scale, weight, candidates, banned, "q2_argmax");
+                     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned,
+                     const c10::optional<at::Tensor>& margins) {
+  return quant_argmax<2>(hidden, packed, scale, weight, candidates, banned, "q2_argmax",
+                         margin_rows(margins, hidden, "q2_argmax"));
 }
 
 // A sampled draft's logits from the same 4-bit copy (spec: head.py `Q4Head.logits_reference`):
@@ -2917,35 +2938,53 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
 // at position next_pos + j (j = 0..k-2) and proposed from. The same ops in the same order as the
 // Python loop, so the same proposals and cache entries, without the ~40 small torch calls and
 // argument conversions a draft iteration's loop cost in Python (≈ 0.1 ms a draft step, each
-// slow on the caches the step's streaming leaves cold). -> proposals [B, k] (draft ids).
-at::Tensor draft_greedy(const at::Tensor& tokens, const at::Tensor& input_pos, const at::Tensor& token_embedding,
-                        const at::Tensor& position_embedding, at::TensorList params, const at::Tensor& self_k,
-                        const at::Tensor& self_v, const at::Tensor& cross_k, const at::Tensor& cross_v, int64_t kv_len,
-                        int64_t n_heads, double eps, const at::Tensor& final_weight, const at::Tensor& final_bias,
-                        const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& weight, int64_t candidates,
-                        const c10::optional<at::Tensor>& banned, int64_t bits, const at::Tensor& next_pos, int64_t k) {
+// slow on the caches the step's streaming leaves cold). stop_margin > 0: a row (of those `stops`
+// marks; all without it) whose proposal leads the head's next candidate by less than stop_margin
+// (exact logits, `quant_argmax`'s margins) proposes nothing after it, and the loop ends once no
+// row proposes further (`DraftSide.propose`'s stopping rule). -> (proposals [B, k] draft ids, -1 in
+// the columns of steps not run; made [B], each row's proposals).
+std::tuple<at::Tensor, at::Tensor> draft_greedy(
+    const at::Tensor& tokens, const at::Tensor& input_pos, const at::Tensor& token_embedding,
+    const at::Tensor& position_embedding, at::TensorList params, const at::Tensor& self_k, const at::Tensor& self_v,
+    const at::Tensor& cross_k, const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
+    const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed, const at::Tensor& scale,
+    const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned, int64_t bits,
+    const at::Tensor& next_pos, int64_t k, double stop_margin, const c10::optional<at::Tensor>& stops) {
   TORCH_CHECK(bits == 2 || bits == 4, "draft_greedy: a 2- or 4-bit head, got ", bits);
   TORCH_CHECK(k >= 1, "draft_greedy: k ", k, " < 1");
   const int64_t B = tokens.size(0);
   TORCH_CHECK(next_pos.dim() == 1 && next_pos.size(0) == B, "draft_greedy: next_pos [B]");
+  TORCH_CHECK(!stops || (stops->scalar_type() == at::kBool && stops->is_contiguous() && stops->numel() == B),
+              "draft_greedy: stops must be contiguous bool [B]");
+  const bool stopping = stop_margin > 0;
+  std::vector<float> margins(B);
   auto propose = [&](const at::Tensor& hidden) {  // [B, 1, d] -> [B]
     const at::Tensor h = hidden.reshape({B, hidden.size(2)});
-    return bits == 2 ? quant_argmax<2>(h, packed, scale, weight, candidates, banned, "draft_greedy")
-                     : quant_argmax<4>(h, packed, scale, weight, candidates, banned, "draft_greedy");
+    float* m = stopping ? margins.data() : nullptr;
+    return bits == 2 ? quant_argmax<2>(h, packed, scale, weight, candidates, banned, "draft_greedy", m)
+                     : quant_argmax<4>(h, packed, scale, weight, candidates, banned, "draft_greedy", m);
   };
   const int64_t T = tokens.size(1);
-  at::Tensor out = at::empty({B, k}, tokens.options().dtype(at::kLong));
+  at::Tensor out = at::full({B, k}, -1, tokens.options().dtype(at::kLong));
+  at::Tensor made = at::full({B}, k, tokens.options().dtype(at::kLong));
+  int64_t* mp = made.data_ptr<int64_t>();
+  const bool* sp = stops ? stops->data_ptr<bool>() : nullptr;
+  int64_t going = B;  // rows that propose further
   at::Tensor hidden = decoder_step(tokens, input_pos, token_embedding, position_embedding, params, self_k, self_v,
                                    cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, T > 1 ? 1 : 0);
   const at::Tensor pos0 = next_pos.to(at::kLong);
   for (int64_t j = 0; j < k; ++j) {
     const at::Tensor x = propose(hidden);
     out.select(1, j).copy_(x);
+    if (stopping)
+      for (int64_t b = 0; b < B; ++b)
+        if (mp[b] == k && (!sp || sp[b]) && margins[b] < static_cast<float>(stop_margin)) mp[b] = j + 1, --going;
+    if (going == 0) break;
     if (j + 1 < k)
       hidden = decoder_step(x.view({B, 1}), (pos0 + j).view({B, 1}), token_embedding, position_embedding, params,
                             self_k, self_v, cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, 0);
   }
-  return out;
+  return {out, made};
 }
 
 // DraftSide.propose for greedy rows, eager (spec: engine/drafting.py, its loop and bookkeeping):
@@ -2957,7 +2996,7 @@ at::Tensor draft_greedy(const at::Tensor& tokens, const at::Tensor& input_pos, c
 // usable prefix (mapped by d2t, the row's draft on, dn + k <= max_pos, within the row's own k),
 // NO_PROPOSAL (-1) after it. Long [S] / [S, L] state tensors, bool draft_on. One call for the
 // ~37 small torch calls of the Python form (≈ 0.35 ms an iteration on cold caches).
-void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position_embedding, at::TensorList params,
+int64_t draft_propose(const at::Tensor& token_embedding, const at::Tensor& position_embedding, at::TensorList params,
                    const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
                    const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
                    const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed,
@@ -2966,7 +3005,7 @@ void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position
                    const at::Tensor& dn, const at::Tensor& dcached, const at::Tensor& draft_on,
                    const at::Tensor& row_k, const at::Tensor& d2t, const at::Tensor& raw,
                    const at::Tensor& proposals, const at::Tensor& draft_passes, int64_t B, int64_t k,
-                   int64_t width, int64_t max_pos) {
+                   int64_t width, int64_t max_pos, double stop_margin) {
   for (const at::Tensor* t : {&dtokens, &dn, &dcached, &row_k, &d2t, &raw, &proposals, &draft_passes})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "draft_propose: contiguous int64 CPU state tensors");
@@ -2994,23 +3033,30 @@ void draft_propose(const at::Tensor& token_embedding, const at::Tensor& position
       sp[b * width + j] = at, fp[b * width + j] = dt[b * L + at];
     }
   }
-  const at::Tensor out = draft_greedy(feed, src, token_embedding, position_embedding, params, self_k, self_v, cross_k,
-                                      cross_v, kv_len, n_heads, eps, final_weight, final_bias, packed, scale, weight,
-                                      candidates, banned, bits, dn.narrow(0, 0, B), k);
-  const int64_t* op = out.data_ptr<int64_t>();
+  const auto [out, made] = draft_greedy(feed, src, token_embedding, position_embedding, params, self_k, self_v,
+                                        cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, packed, scale,
+                                        weight, candidates, banned, bits, dn.narrow(0, 0, B), k, stop_margin,
+                                        row_k.narrow(0, 0, B).eq(0));  // adaptive rows stop (fixed k: 0)
+  const int64_t *op = out.data_ptr<int64_t>(), *mp = made.data_ptr<int64_t>();
+  const int64_t steps = *std::max_element(mp, mp + B);  // draft steps run (the proposals' columns)
   for (int64_t b = 0; b < B; ++b) {
-    dp[b] += on[b] ? k : 0;
+    dp[b] += on[b] ? steps : 0;
     const int64_t limit = rk[b] > 0 ? rk[b] : k;
     bool usable = on[b] && dnp[b] + k <= max_pos;
     for (int64_t j = 0; j < k; ++j) {
+      if (j >= steps) {
+        pr[b * proposals.size(1) + j] = -1;
+        continue;
+      }
       const int64_t id = op[b * k + j];
       TORCH_CHECK(id >= 0 && id < V, "draft_propose: draft token ", id, " outside the map (", V, ")");
       rw[b * K + j] = id;
-      usable = usable && map[id] >= 0 && j < limit;
+      usable = usable && map[id] >= 0 && j < limit && j < mp[b];
       pr[b * proposals.size(1) + j] = usable ? map[id] : -1;  // NO_PROPOSAL
     }
-    dc[b] = dnp[b] + k - 1;
+    dc[b] = dnp[b] + steps - 1;
   }
+  return steps;
 }
 
 // The proposals' rows [S, K] (int64, contiguous) a greedy verify pass with k proposals reads
@@ -3356,8 +3402,8 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("avx512_half_width() -> bool");
   m.def("encoder_attention(Tensor qkv, int heads, int block=0) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
-  m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k) -> Tensor");
-  m.def("draft_propose(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor dtokens, Tensor dn, Tensor(c!) dcached, Tensor draft_on, Tensor row_k, Tensor d2t, Tensor(d!) raw, Tensor(e!) proposals, Tensor(f!) draft_passes, int B, int k, int width, int max_pos) -> ()");
+  m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k, float stop_margin=0., Tensor? stops=None) -> (Tensor, Tensor)");
+  m.def("draft_propose(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor dtokens, Tensor dn, Tensor(c!) dcached, Tensor draft_on, Tensor row_k, Tensor d2t, Tensor(d!) raw, Tensor(e!) proposals, Tensor(f!) draft_passes, int B, int k, int width, int max_pos, float stop_margin=0.) -> int");
   m.def("verify_greedy(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor suppress, Tensor(c!) tokens, Tensor(d!) n_tokens, Tensor(e!) done, Tensor budget, Tensor? proposals, Tensor(f!) target_passes, Tensor(g!) drafted, Tensor(h!) accepted_total, Tensor(i!) accepted_now, int eot, int B, int k, bool draft_commit, Tensor(j!)? dtokens, Tensor(k!)? dn, Tensor(l!)? dcached, Tensor? draft_on, Tensor? raw, Tensor? t2d, Tensor? t2d_len) -> ()");
   m.def("accept_greedy(Tensor choice, Tensor? hidden, Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor? proposals, Tensor(d!) target_passes, Tensor(e!) drafted, Tensor(f!) accepted_total, Tensor(g!) accepted_now, Tensor(h!)? hidden_state, int eot, int k, bool draft_commit, Tensor(i!)? dtokens, Tensor(j!)? dn, Tensor(k!)? dcached, Tensor? draft_on, Tensor? raw, Tensor? t2d, Tensor? t2d_len) -> ()");
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
@@ -3369,9 +3415,9 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("rule_mask(Tensor at_begin, Tensor timestamps, Tensor n_sampled, Tensor last, Tensor penultimate, Tensor last_timestamp, Tensor max_initial, Tensor suppress, Tensor blank_ids, int eot, int no_timestamps, int timestamp_begin) -> Tensor");
   m.def("rule_state(Tensor tokens, Tensor n_tokens, Tensor prompt_len, Tensor timestamps, Tensor max_initial, Tensor slots, Tensor predicted, Tensor proposed, int timestamp_begin) -> Tensor[]");
   m.def("screened_split(Tensor hidden, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor? banned, int split) -> (Tensor, Tensor, Tensor)");
-  m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
+  m.def("q4_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, Tensor(a!)? margins=None) -> Tensor");
   m.def("q4_logits(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates) -> Tensor");
-  m.def("q2_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned) -> Tensor");
+  m.def("q2_argmax(Tensor hidden, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, Tensor(a!)? margins=None) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys, float scale) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor pos) -> ()");
   m.def("commit_tokens(Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor slots, Tensor choice, Tensor n_emit, int eot) -> Tensor");

@@ -1,5 +1,5 @@
 """The drafts' 4-bit and 2-bit heads (`Q4Head`, `Q2Head`): the C++ ops equal its PyTorch reference bit for bit at every
-vector level, its packing is the documented layout, and its proposals are the exact argmax where
+vector level (proposals and their leads over the next candidate), its packing is the documented layout, and its proposals are the exact argmax where
 the rounding cannot hide it."""
 from __future__ import annotations
 
@@ -43,13 +43,23 @@ def test_op_equals_reference(level, V, K, N):
         for candidates in (1, 16, V + 3):
             head = kind(weight, candidates)
             for banned in masks:
+                got_lead, want_lead = torch.full((N,), -1.0), torch.full((N,), -2.0)
                 with cpu_ops.vector_level(level):
-                    got = head.argmax(hidden, banned)
+                    got = head.argmax(hidden, banned, got_lead)
+                    # the reference with the op's exact logits (`gather_dot`): the same leads, bit for bit
+                    assert torch.equal(head.argmax_reference(hidden, banned, want_lead), got)
                 with cpu_ops.reference():
                     want = head.argmax(hidden, banned)
                 assert torch.equal(got, want), (kind, candidates, banned is None)
-        head = kind(weight, V + 3)  # every token rechecked: the exact argmax
-        assert torch.equal(head.argmax(hidden), exact_argmax(weight, hidden).argmax(dim=-1))
+                assert torch.equal(got, head.argmax(hidden, banned))  # the leads change nothing
+                assert torch.equal(got_lead, want_lead), (kind, candidates, banned is None)
+                if candidates == 1:
+                    assert torch.isinf(got_lead).all()  # no other candidate: an infinite lead
+        head = kind(weight, V + 3)  # every token rechecked: the exact argmax, leading the exact runner-up
+        lead = torch.empty(N)
+        assert torch.equal(head.argmax(hidden, None, lead), exact_argmax(weight, hidden).argmax(dim=-1))
+        top2 = exact_argmax(weight, hidden).topk(2, dim=-1).values
+        assert torch.equal(lead, top2[:, 0] - top2[:, 1])  # 0 where two rows tie (row 0, mostly)
 
 
 def odd_rows_agree(head, level):
@@ -61,12 +71,16 @@ def odd_rows_agree(head, level):
     hidden[5, 3] = float("inf")
     banned = torch.zeros(6, V, dtype=torch.bool)
     banned[4] = True
+    got_lead, want_lead = torch.empty(6), torch.empty(6)
     with cpu_ops.vector_level(level):
-        got = head.argmax(hidden, banned)
-        empty = head.argmax(hidden[:0])
+        got = head.argmax(hidden, banned, got_lead)
+        empty = head.argmax(hidden[:0], None, torch.empty(0))
+        head.argmax_reference(hidden, banned, want_lead)  # with the op's exact logits
     with cpu_ops.reference():
         want = head.argmax(hidden, banned)
     assert torch.equal(got, want)
+    assert torch.equal(got_lead.isnan(), want_lead.isnan())
+    assert torch.equal(got_lead.nan_to_num(), want_lead.nan_to_num()) and got_lead[4] == float("inf")  # all banned
     assert got[4] == 0 and empty.shape == (0,)
     p = quantize_rows8(hidden)
     assert p[:2].abs().max() == 127 and (p[2:4] == 0).all() and (p[5] == 0).all()

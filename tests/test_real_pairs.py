@@ -179,10 +179,13 @@ def test_failed_admission_ends_its_requests_and_the_engine_serves_on(stage, mels
 def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines, mels, monkeypatch):
     """`cpu_ops.draft_propose` (the uncached tokens fed, k draft steps with the 2-bit (base-2l) or
     4-bit (tiny.en) head, the slot state updated, in one C++ call) against `DraftSide.propose`'s
-    Python form: every iteration's proposals and draft state equal, single and batched, k = 1, 3
-    and 4 (and so the same tokens, acceptance and draft passes)."""
+    Python form: every iteration's proposals, draft steps and draft state equal, single and
+    batched, k = 1, 3 and 4, and adaptive rows under a cap of 5 that stop at a small lead
+    (`DraftSide.stop_margin`; some iterations stop early) (and so the same tokens, acceptance and
+    draft passes)."""
     from specwhisper.backends import cpu_ops
     from specwhisper.engine.drafting import DraftSide
+    from specwhisper.engine.speculation import Speculation
 
     engine = engines("base", draft, torch.float32)
     d = engine.drafter
@@ -191,13 +194,14 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
             pytest.skip("no C++ decode ops here: the loop is the only path")
     seen, calls = {True: [], False: []}, {True: 0, False: 0}
     propose, fused_op = DraftSide.propose, cpu_ops.draft_propose
+    choose_k = Speculation.choose_k
 
-    def recorded(self, B, *args, **kwargs):
-        out = propose(self, B, *args, **kwargs)
-        st = self.state
-        k = out.shape[1]  # (raw's columns past k are stale from earlier iterations, never read)
-        seen[d.fused_greedy].append([t.clone() for t in (out, st.raw[:B, :k], st.dcached[:B], st.dn[:B], st.draft_passes[:B])])
-        return out
+    def recorded(self, B, k, *args, **kwargs):
+        steps = propose(self, B, k, *args, **kwargs)
+        st = self.state  # (raw's columns past the steps are stale from earlier iterations, never read)
+        seen[d.fused_greedy].append([torch.tensor([k, steps])] + [t.clone() for t in (
+            st.proposals[:B, :k], st.raw[:B, :steps], st.dcached[:B], st.dn[:B], st.draft_passes[:B])])
+        return steps
 
     def counted(*args, **kwargs):
         calls[d.fused_greedy] += 1
@@ -209,7 +213,9 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     for fused in (True, False):
         monkeypatch.setattr(d, "fused_greedy", fused)
         results[fused] = []
-        for k in (1, 3, 4):
+        for k in (1, 3, 4, None):
+            # adaptive rows at a cap of 5 every iteration (the estimate's timing-led choices aside)
+            monkeypatch.setattr(Speculation, "choose_k", choose_k if k else lambda self, B: (5, None))
             for x in (mels[0], mels):
                 out = engine.transcribe(x, language="en", num_draft_tokens=k, max_new_tokens=20)
                 out = out if isinstance(out, list) else [out]
@@ -219,6 +225,8 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     bad = [(i, j, a[j].tolist(), b[j].tolist()) for i, (a, b) in enumerate(zip(seen[True], seen[False])) for j in range(len(a)) if not torch.equal(a[j], b[j])]
     assert not bad, bad[:4]
     assert results[True] == results[False]
+    steps = [(int(x[0][0]), int(x[0][1])) for x in seen[True]]
+    assert any(s < k for k, s in steps if k == 5) and all(s == k for k, s in steps if k < 5)  # only adaptive rows stop
 
 
 @pytest.mark.parametrize("target,draft", [("base", None), ("base", "base-2l"), ("base", "tiny.en"), ("tiny.en", "base")])

@@ -172,7 +172,7 @@ def test_a_compact_draft_proposes_through_a_4_bit_head(target, drafts, mels, ref
     assert head.weight.data_ptr() == engine.drafter.draft.model.decoder.embed_tokens.weight.data_ptr()
     calls = []
     argmax, fused = head.argmax, cpu_ops.draft_propose
-    head.argmax = lambda h, banned=None: calls.append(h.shape[0]) or argmax(h, banned)
+    head.argmax = lambda h, *rest: calls.append(h.shape[0]) or argmax(h, *rest)
     monkeypatch.setattr(cpu_ops, "draft_propose", lambda *a: calls.append(a[7] * a[8] * (a[1] is head)) or fused(*a))
     out = engine.transcribe(mels[:3], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=3)
     assert [o.tokens for o in out] == reference[:3]
@@ -691,6 +691,23 @@ def test_draft_length_rule():
     for _ in range(60):
         short.update(4, [2], [False], draft_seconds=4 * 0.1, verify_seconds=1.0)
     assert short.best()[0] == 2
+
+    # a draft that stops early (`DraftSide.stop_margin`): under a cap of 6 it makes 2 proposals, both
+    # kept, in every iteration. The estimate charges what ran (2 steps, 3 rows) and counts the stop
+    # as a third proposal not kept, so a cap of 6 costs what a cap of 2 does; a draft that makes all
+    # 6 and has the third rejected pays for 6 steps and 7 rows
+    stops, full = DraftLength(None), DraftLength(None)
+    for r in (stops, full):
+        r.calibrate(plain_seconds=1.0, verify_ratio=[1.0 + 0.25 * max(n - 1, 0) for n in range(10)],
+                    cost_ratio=0.2, setup_seconds=0.0)
+        r.plain_timed = True
+    for _ in range(60):
+        stops.update(2, [2], [False], draft_seconds=2 * 0.2, verify_seconds=1.5, cap=6)
+        full.update(6, [2], [False], draft_seconds=6 * 0.2, verify_seconds=2.5)
+    g_stops, g_full = ({k: g for g, k in r.gains()} for r in (stops, full))
+    assert stops.hit[3] == 0 < stops.reach[3] and stops.made[2] > 0 == stops.went_on[2]
+    assert abs(g_stops[2] - 3 / (2 * 0.2 + 1.5)) < 0.01 * g_stops[2]  # 3 tokens for 2 steps and 3 rows
+    assert g_stops[6] >= g_stops[2] and g_full[6] < 0.6 * g_full[2]
 
     tie = DraftLength(None)  # a draft that only ties plain steps stays off (their bookkeeping is not timed)
     tie.spec, tie.plain, tie.spec_iters = (10.2, 10.0), (10.0, 10.0), tie.TRIAL

@@ -197,14 +197,15 @@ def screened_split(hidden, packed, scale, bound, weight, tiny, banned, split: in
     return _ops().screened_split(hidden, packed, scale, bound, weight, tiny, banned, split)
 
 
-def q4_argmax(hidden, packed, scale, weight, candidates, banned):
-    """The C++ form of `head.Q4Head.argmax_reference` (callers check `active` first)."""
-    return _ops().q4_argmax(hidden, packed, scale, weight, candidates, banned)
+def q4_argmax(hidden, packed, scale, weight, candidates, banned, margins=None):
+    """The C++ form of `head.Q4Head.argmax_reference` (callers check `active` first; `margins`:
+    float32 [N] the proposals' leads are written to)."""
+    return _ops().q4_argmax(hidden, packed, scale, weight, candidates, banned, margins)
 
 
-def q2_argmax(hidden, packed, scale, weight, candidates, banned):
+def q2_argmax(hidden, packed, scale, weight, candidates, banned, margins=None):
     """The C++ form of `head.Q2Head.argmax_reference` (callers check `active` first)."""
-    return _ops().q2_argmax(hidden, packed, scale, weight, candidates, banned)
+    return _ops().q2_argmax(hidden, packed, scale, weight, candidates, banned, margins)
 
 
 def q4_logits(hidden, packed, scale, weight, candidates):
@@ -273,19 +274,21 @@ def draft_greedy(decoder, tokens, input_pos, cache, kv_len: int, head, banned, n
     times the proposal fed back at next_pos + j and proposed from -> proposals [B, k], the same bits
     (callers check `decoder.cpu_fused()` and the head's `active` first)."""
     return _ops().draft_greedy(tokens, input_pos, *_step_args(decoder, cache, kv_len), head.packed, head.scale,
-                               head.weight, head.candidates, banned, head.BITS, next_pos, k)
+                               head.weight, head.candidates, banned, head.BITS, next_pos, k)[0]
 
 
-def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int, k: int, width: int, max_pos: int):
+def draft_propose(decoder, head, banned, cache, kv_len: int, state, d2t, B: int, k: int, width: int, max_pos: int,
+                  stop_margin: float = 0.0) -> int:
     """`engine.drafting.DraftSide.propose` for greedy rows (eager) in one C++ call: the uncached
     tokens fed (`width` positions; 0: the widest row's uncached ones, `DraftSide.uncached_width`),
-    `draft_greedy`'s k proposals, and the slot state (`state`: draft_passes, raw, dcached,
-    proposals) updated in place as `propose` does (an engine's iteration: the weights as
-    its windows' starts checked them, `Decoder.layer_params`)."""
-    _ops().draft_propose(*_step_args(decoder, cache, kv_len, check=False), head.packed,
-                         head.scale, head.weight, head.candidates, banned, head.BITS, state.dtokens, state.dn,
-                         state.dcached, state.draft_on, state.row_k, d2t, state.raw, state.proposals,
-                         state.draft_passes, B, k, width, max_pos)
+    `draft_greedy`'s k proposals (adaptive rows stopping at a lead under `stop_margin`), and the
+    slot state (`state`: draft_passes, raw, dcached, proposals) updated in place as `propose` does
+    (an engine's iteration: the weights as its windows' starts checked them,
+    `Decoder.layer_params`) -> the draft steps run."""
+    return _ops().draft_propose(*_step_args(decoder, cache, kv_len, check=False), head.packed,
+                                head.scale, head.weight, head.candidates, banned, head.BITS, state.dtokens, state.dn,
+                                state.dcached, state.draft_on, state.row_k, d2t, state.raw, state.proposals,
+                                state.draft_passes, B, k, width, max_pos, stop_margin)
 
 
 def verify_greedy(decoder, head, suppress, cache, kv_len: int, state, B: int, k: int, eot: int, draft_side=None):

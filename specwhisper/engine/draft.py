@@ -176,6 +176,10 @@ class Drafter:
         return (self.fused_greedy and isinstance(self.head, Q4Head) and cpu_ops.active(self.head.weight)
                 and self.draft.model.decoder.cpu_fused())
 
+    def leads_known(self) -> bool:
+        """The draft's greedy head tells how far its choice leads (`Q4Head.argmax`'s margins)."""
+        return isinstance(self.head, Q4Head)
+
     def greedy(self, hidden: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
         """Draft greedy proposals [B, T] from hidden [B, T, d]."""
         return greedy_tokens(self.draft, self.head, hidden, banned)

@@ -29,6 +29,11 @@ class DraftLength:
       far more than its bytes suggest), then kept up to date from the timed iterations: every
       EXPLORE-th speculative iteration drafts k ± 1, so the passes next to the one in use are
       timed too, and v(r) for r >= 2 is the line fitted to them (`_new_verify_ratio`);
+    - a draft that may stop before k (`DraftSide.stop_margin`: an adaptive row stops after a
+      proposal it is unsure of) makes proposal j with probability g_1···g_(j-1), g_j how often it
+      went on past j (counted; prior: it goes on): an iteration then costs the expected draft steps
+      and the verify passes over the rows it made, and a stop counts as a proposal not kept in p_j
+      (without stops both reduce to the above);
     - p_j is the acceptance of proposal j given the j - 1 before it were accepted, counted over
       recent iterations that reached j (exponentially weighted, with the pooled rate
       α = accepted / (accepted + rejections) as a prior): the rate depends on the position (base's
@@ -209,6 +214,10 @@ class DraftLength:
         self.k = fixed if fixed is not None else 0
         self.reach = [0.0] * (MAX_K + 1)  # running count of proposals j reached (the j - 1 before accepted)
         self.hit = [0.0] * (MAX_K + 1)  # ... and of those accepted
+        # running count of iterations whose draft made proposal j below the cap, and of those that
+        # went on to j + 1 (a draft that stops at a small lead, `DraftSide.stop_margin`)
+        self.made = [0.0] * (MAX_K + 1)
+        self.went_on = [0.0] * (MAX_K + 1)
 
     def calibrate(self, plain_seconds: float, verify_ratio: list[float], cost_ratio: float,
                   setup_seconds: float) -> None:
@@ -235,17 +244,31 @@ class DraftLength:
              start: bool = False) -> tuple[int, float]:
         """(k, gain) of the best k (`always_right`: were every proposal accepted; `verify`: these
         verify costs v(r) instead of the running estimate; `start`: in a window yet to begin)."""
+        gain, k = max(self.gains(always_right, verify, start))
+        return k, gain
+
+    def gains(self, always_right: bool = False, verify: list[float] | None = None,
+              start: bool = False) -> list[tuple[float, int]]:
+        """[(gain, k)] for k = 1..MAX_K (`best`'s arguments)."""
         verify = self.verify_ratio if verify is None else verify
         alpha = min(self.accepted / self.trials, 0.999)
         expected, survive, gains, s = 1.0, 1.0, [], self.setup_share(start)
+        # a draft that may stop early (`DraftSide.stop_margin`) makes proposal j with probability
+        # `reached` (g_j: how often it went on past j); at the cap k the iteration costs its expected
+        # draft steps and the verify pass over the rows it made (without stops: k·c + v(k+1))
+        reached, steps, stopped_cost = 1.0, 0.0, 0.0
         for k in range(1, MAX_K + 1):
             if not always_right:
                 survive *= (self.hit[k] + self.PRIOR * alpha) / (self.reach[k] + self.PRIOR)
-            expected += survive
-            cost = k * self.cost_ratio + verify[k + 1]
+            # proposal j kept (a stop counts as a proposal not kept, `update`); always right: made
+            expected += reached if always_right else survive
+            steps += reached
+            cost = steps * self.cost_ratio + stopped_cost + reached * verify[k + 1]
             gains.append((1.0 / (cost / expected + s), k))
-        gain, k = max(gains)
-        return k, gain
+            go_on = (self.went_on[k] + self.PRIOR) / (self.made[k] + self.PRIOR)  # prior: it goes on
+            stopped_cost += reached * (1.0 - go_on) * verify[k + 1]
+            reached *= go_on
+        return gains
 
     def always_right_gain(self, start: bool = False) -> float:
         """The gain of the best k were every proposal accepted, at the lower of each row count's
@@ -411,8 +434,13 @@ class DraftLength:
         step = 1 if (self.spec_iters // self.EXPLORE) % 2 == 0 else -1
         return k + step if 1 <= k + step <= MAX_K else k - step
 
-    def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float):
-        if self.fixed is not None:
+    def update(self, k: int, accepted: list[int], done, draft_seconds: float, verify_seconds: float,
+               cap: int | None = None):
+        """After an iteration of k draft steps (0: a plain step) under a cap of `cap` (default k;
+        more where the draft stopped early): the rows' accepted proposals, and the draft's and the
+        verify pass's seconds."""
+        cap = k if cap is None else cap
+        if self.fixed is not None or cap > MAX_K:  # (a larger fixed k of another row led this one)
             return
         rows = [a for a in accepted if a >= 0]
         tokens, seconds = sum(a + 1 for a in rows), draft_seconds + verify_seconds
@@ -458,10 +486,17 @@ class DraftLength:
         self.trials = self.RUN_DECAY * self.trials + succ + fail
         self.reach = [self.RUN_DECAY * r for r in self.reach]
         self.hit = [self.RUN_DECAY * h for h in self.hit]
+        self.made = [self.RUN_DECAY * m for m in self.made]
+        self.went_on = [self.RUN_DECAY * g for g in self.went_on]
         for a in rows:
             for j in range(1, min(a + 1, k) + 1):
                 self.reach[j] += 1 / len(rows)
                 self.hit[j] += (a >= j) / len(rows)
+            if a == k < cap:  # every proposal kept, the draft stopped: the next one counts as not kept
+                self.reach[k + 1] += 1 / len(rows)
+        for j in range(1, min(k + 1, cap)):  # (the draft's steps: the batch's longest row's)
+            self.made[j] += 1
+            self.went_on[j] += j < k
         if verify_seconds > 0 and self.plain_pass and not first:
             self._new_verify_ratio(k + 1, verify_seconds / self.plain_pass)
             self.cost_ratio = self._follow(self.cost_ratio, draft_seconds / k / self.plain_pass)

@@ -90,20 +90,22 @@ class DraftSide:
         st.draft_on[s] = True
         self.synced = False  # more than the catch-up width may be uncached
 
-    def propose(self, B: int, k: int, modes: Modes, width: int | None = None) -> torch.Tensor:
-        """k proposals for each of the first B slots, feeding `width` draft positions first
+    def propose(self, B: int, k: int, modes: Modes, width: int | None = None) -> int:
+        """Up to k proposals for each of the first B slots, feeding `width` draft positions first
         (graph-safe when `trim` is off; None: the widest row's uncached positions, `uncached_width`)
-        -> the proposals [B, k] in target ids (-1: no usable proposal from there on), also in
-        `state.proposals`."""
+        -> the draft steps run, the proposals' columns (the proposals [B, k] in target ids, -1: no
+        usable proposal from there on, in `state.proposals`). An adaptive row (no fixed k) stops
+        after a proposal that leads the draft's next candidate by less than `stop_margin` (greedy
+        rows of a compact draft, eager), and the draft stops once no row goes on."""
         d, st = self.drafter, self.state
         ddec = d.draft.model.decoder
         kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
+        stop = self.stop_margin(modes)
         if self.trim and not modes.any_sampled and d.greedy_fused():
             # all of the below for greedy rows in one C++ call: the same proposals and state (the
             # width found there: 4 small ops here cost ≈ 60 µs an iteration on cold caches)
-            cpu_ops.draft_propose(ddec, d.head, d.draft.suppress, self.view(B), ddec.slots(kv_len), st, self.d2t,
-                                  B, k, width or 0, self.max_pos)
-            return st.proposals[:B, :k]
+            return cpu_ops.draft_propose(ddec, d.head, d.draft.suppress, self.view(B), ddec.slots(kv_len), st, self.d2t,
+                                         B, k, width or 0, self.max_pos, stop)
         if width is None:
             width = self.uncached_width(B)
         slots = torch.arange(B, device=self.device)
@@ -112,33 +114,61 @@ class DraftSide:
         feed = st.dtokens[:B].gather(1, src)
         # the draft's weights as its windows' starts checked them (`Decoder.layer_params`)
         hidden = ddec.hidden(feed, src, self.view(B), kv_len=kv_len, keep=1, check=False)
+        margins = torch.empty(B, device=self.device) if stop > 0 else None
+        made = torch.full((B,), k, dtype=torch.long, device=self.device)  # each row's proposals
+        stops = st.row_k[:B] == 0  # adaptive rows
         raws = []
         for step in range(k):
-            x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws)  # [B]
+            x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws, margins)  # [B]
             raws.append(x)
+            if margins is not None:
+                made[(made == k) & stops & (margins < stop)] = step + 1
+                if not bool((made == k).any()):
+                    break
             if step + 1 < k:
                 pos = (dn + step)[:, None]
                 hidden = ddec.hidden(x[:, None], pos, self.view(B), kv_len=kv_len, check=False)
-        st.draft_passes[:B] += k * st.draft_on[:B].long()
-        raw = torch.stack(raws, dim=1)  # [B, k] draft ids
-        st.raw[:B, :k] = raw
-        st.dcached[:B] = dn + k - 1
+        steps = len(raws)
+        st.draft_passes[:B] += steps * st.draft_on[:B].long()
+        raw = torch.stack(raws, dim=1)  # [B, steps] draft ids
+        st.raw[:B, :steps] = raw
+        st.dcached[:B] = dn + steps - 1
         mapped = self.d2t[raw]
         usable = (mapped >= 0) & st.draft_on[:B, None] & (dn[:, None] + k <= self.max_pos)
-        # a row with a fixed smaller k proposes only that many
-        limit = torch.where(st.row_k[:B] > 0, st.row_k[:B], k)
-        usable &= torch.arange(k, device=self.device)[None] < limit[:, None]
+        # a row with a fixed smaller k proposes only that many, one that stopped what it made
+        limit = torch.minimum(torch.where(st.row_k[:B] > 0, st.row_k[:B], k), made)
+        usable &= torch.arange(steps, device=self.device)[None] < limit[:, None]
         usable = usable.long().cumprod(dim=1).bool()
-        st.proposals[:B, :k] = torch.where(usable, mapped, NO_PROPOSAL)
-        return st.proposals[:B, :k]
+        st.proposals[:B, :steps] = torch.where(usable, mapped, NO_PROPOSAL)
+        st.proposals[:B, steps:k] = NO_PROPOSAL
+        return steps
 
-    def choose(self, hidden, slots, index, modes, raws) -> torch.Tensor:
+    # the lead (exact logits) under which an adaptive row's draft stops proposing (0: never).
+    # Teacher-forced on base's drafts (bench windows and the demo recording, k = 8, 130 iterations
+    # each): a proposal leading by < 1 was accepted 42-47% of the time, by 1-2 65-76%, 2-3 85-87%,
+    # by more 95-100%; in a cost model of those passes (verify and draft steps as bench/cpu.py
+    # timed them on an AVX2-only Zen 3) stopping at a lead under 2 decoded 12% faster than the
+    # best fixed k for tiny.en and base-2l alike (1.80 against 1.60 and 1.90 against 1.70 plain
+    # steps' time a token)
+    STOP_MARGIN = 2.0
+
+    def stop_margin(self, modes: Modes) -> float:
+        """The lead an adaptive row's draft stops under this iteration (0.0: it does not stop):
+        STOP_MARGIN for greedy rows of a draft whose head tells its lead (a compact draft's 2- or
+        4-bit head), eager (a graph's shapes are fixed)."""
+        d = self.drafter
+        return self.STOP_MARGIN if self.trim and not modes.any_sampled and d.leads_known() else 0.0
+
+    def choose(self, hidden, slots, index, modes, raws, margins=None) -> torch.Tensor:
         """The draft's proposal [B] from hidden [B, 1, d]: its greedy argmax, or its race winner
         under the target's noise (keyed by target ids) for sampled rows. Sampled rows of a draft
         with the target's vocabulary follow the timestamp rules too, given its own proposals
-        `raws` so far (another vocabulary only suppresses: its proposals are verified all the same)."""
+        `raws` so far (another vocabulary only suppresses: its proposals are verified all the same).
+        `margins` (greedy rows): float32 [B] written with each proposal's lead (`Q4Head.argmax`)."""
         d = self.drafter
         banned = d.draft.suppress
+        if margins is not None:
+            return d.head.argmax(hidden[:, 0], banned, margins)
         if not modes.any_sampled:
             # every row greedy: the draft's screened argmax, without its full logits (tiny.en's:
             # 80 MB of float32 a step) and without the timestamp rules, which the target applies

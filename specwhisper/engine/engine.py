@@ -428,8 +428,8 @@ class Engine:
         modes = self.runner.modes(B)
         k = self.speculation.begin(B)
         if k > 0:
-            self.runner.draft(B, k, modes)
-        self.speculation.drafted()
+            k = self.runner.draft(B, k, modes)  # the columns proposed (a draft may stop early)
+        self.speculation.drafted(k)
         self.runner.verify_accept_commit(B, k, modes)
         progress = self.runner.progress(B)  # the one host read of the iteration
         self.speculation.end(progress)

@@ -327,19 +327,21 @@ class Runner:
             self.draft_side.catch_up(B)
 
     @torch.inference_mode()
-    def draft(self, B: int, k: int, modes: Modes) -> None:
-        """k proposals per row into `state.proposals[:B, :k]`, in target ids (-1: no usable proposal
-        from there on): `DraftSide.propose`, eagerly over the live rows or graph-shaped."""
+    def draft(self, B: int, k: int, modes: Modes) -> int:
+        """Up to k proposals per row into `state.proposals[:B, :k]`, in target ids (-1: no usable
+        proposal from there on): `DraftSide.propose`, eagerly over the live rows or graph-shaped
+        -> the proposals' columns the verify pass needs (eager: the draft steps run; an adaptive
+        row's draft may stop early, `DraftSide.stop_margin`; graph-shaped: k)."""
         side = self.draft_side
         self.sync_draft(B)  # done already by `Speculation.begin`, outside the iteration's clock
         if self.graphs is None:
             # the widest row's uncached tokens (a host read costs nothing on a CPU): a draft with
             # another vocabulary has a catch-up width of its longest spelling (17 for tiny.en
             # drafting base), almost always 1 or 2 tokens are uncached
-            side.propose(B, k, modes, None if self.trim else side.catchup)
-            return
+            return side.propose(B, k, modes, None if self.trim else side.catchup)
         R = self.pad_rows(B)
         self.graphs.run(("draft", R, k, modes), lambda: side.propose(R, k, modes, side.catchup), self.state.rewind)
+        return k
 
     @torch.inference_mode()
     def verify_accept_commit(self, B: int, k: int, modes: Modes) -> None:

@@ -22,13 +22,15 @@ class Speculation:
 
     def __init__(self, runner, drafter, backend: Backend):
         self.runner, self.drafter, self.backend = runner, drafter, backend
-        self.k = 0
+        self.k = 0  # this iteration's draft steps ...
+        self.cap = 0  # ... and the k it asked for (the draft may stop before it, `drafted`)
         self.rule: DraftLength | None = None  # the adaptive estimate this iteration follows
         self.clock = None  # this iteration's (`Backend.clock`)
 
     def begin(self, B: int) -> int:
         """This iteration's k for the first B rows (0: a plain target step); starts pending drafts."""
         self.k, self.rule = self.choose_k(B)
+        self.cap = self.k
         if self.k > 0:
             t0, first = time.perf_counter(), self.drafter.encodes == 0
             started = self.runner.start_drafts(B)
@@ -48,8 +50,10 @@ class Speculation:
         self.clock = self.backend.clock()
         return self.k
 
-    def drafted(self) -> None:
-        """The draft step has been issued (the verify step's time starts here)."""
+    def drafted(self, k: int) -> None:
+        """The draft step has been issued (the verify step's time starts here), k draft steps run
+        (fewer than asked where the draft stopped early: the estimate learns from what ran)."""
+        self.k = k
         self.clock.mark()
 
     def end(self, progress) -> None:
@@ -65,7 +69,7 @@ class Speculation:
             self.rule.generated = generated or 0.0
             draft_seconds, verify_seconds = self.clock.intervals()
             self.rule.update(self.k, progress.accepted, progress.done, draft_seconds=draft_seconds,
-                             verify_seconds=verify_seconds)
+                             verify_seconds=verify_seconds, cap=self.cap)
             hosts = self.runner.hosts
             for s in (s for s, done in enumerate(progress.done) if done and hosts[s].spec.use_draft):
                 self.rule.window_done(progress.n_tokens[s] - len(hosts[s].spec.prompt))

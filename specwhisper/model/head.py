@@ -157,7 +157,11 @@ class ScreenedHead:
         products = (p.double() @ self.int8_weights().double().T).float()
         return products * (self.scale[None, :] * sh[:, None])
 
-    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None,
+                         margins: torch.Tensor | None = None) -> torch.Tensor:
+        """The proposals; `margins` (float32 [N], written): the proposal's exact logit minus the best
+        other candidate's, in float32 (infinite where no other is above -inf): how far the draft's choice
+        leads, which `DraftSide.propose` stops at (a small lead: a likely rejection)."""
         hidden = hidden.float()
         approx = self.approx(hidden)  # [N, V]
         bound = hidden.norm(dim=1, keepdim=True) * self.bound + TINY
@@ -369,11 +373,13 @@ class Q4Head:
         u = torch.cat([(self.packed >> (self.BITS * i)) & mask for i in range(8 // self.BITS)], dim=-1)
         return u.transpose(1, 2).reshape(blocks * BLOCK, chunks * self.CHUNK)[:self.weight.shape[0]]
 
-    def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, d] -> proposals [N] (`banned`: [V] or [N, V] bool tokens never proposed)."""
+    def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None,
+               margins: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, d] -> proposals [N] (`banned`: [V] or [N, V] bool tokens never proposed;
+        `margins`: float32 [N] written with each proposal's lead, `argmax_reference`'s)."""
         if cpu_ops.active(hidden):
-            return cpu_ops.q4_argmax(hidden, self.packed, self.scale, self.weight, self.candidates, banned)
-        return self.argmax_reference(hidden, banned)
+            return cpu_ops.q4_argmax(hidden, self.packed, self.scale, self.weight, self.candidates, banned, margins)
+        return self.argmax_reference(hidden, banned, margins)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> float32 logits [..., V] for a sampled draft: every token's 4-bit
@@ -416,7 +422,11 @@ class Q4Head:
         """fl(fl(P) s_v) [N, V]: the approximate logits `argmax` ranks."""
         return self.products(hidden) * self.scale[None, :]
 
-    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None,
+                         margins: torch.Tensor | None = None) -> torch.Tensor:
+        """The proposals; `margins` (float32 [N], written): the proposal's exact logit minus the best
+        other candidate's, in float32 (infinite where no other is above -inf): how far the draft's choice
+        leads, which `DraftSide.propose` stops at (a small lead: a likely rejection)."""
         hidden = hidden.float()
         approx = self.approx(hidden)
         if banned is not None:
@@ -428,13 +438,19 @@ class Q4Head:
         exact = cpu_ops.gather_dot(hidden, self.weight, ids)
         out = torch.zeros(hidden.shape[0], dtype=torch.long)
         for r in range(hidden.shape[0]):
-            best, best_id = None, None
+            best, best_id, second = None, None, -float("inf")
             for v, a, e in zip(ids[r].tolist(), top[r].gather(0, order[r]).tolist(), exact[r].tolist()):
                 if a == -float("inf"):
                     continue  # banned
                 if best_id is None or e > best:
+                    second = second if best_id is None else best
                     best, best_id = e, v
+                else:
+                    second = max(second, e)
             out[r] = 0 if best_id is None else best_id
+            if margins is not None:
+                lead = torch.tensor(best if best_id is not None else 0.0) - torch.tensor(second)  # float32
+                margins[r] = lead if second > -float("inf") else float("inf")
         return out
 
 
@@ -477,11 +493,13 @@ class Q2Head(Q4Head):
         """The 4-bit copy sampled drafts read their logits from (built at its first use)."""
         return Q4Head(self.weight)
 
-    def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, d] -> proposals [N] (`banned`: [V] or [N, V] bool tokens never proposed)."""
+    def argmax(self, hidden: torch.Tensor, banned: torch.Tensor | None = None,
+               margins: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, d] -> proposals [N] (`banned`: [V] or [N, V] bool tokens never proposed;
+        `margins`: as `Q4Head.argmax`'s)."""
         if cpu_ops.active(hidden):
-            return cpu_ops.q2_argmax(hidden, self.packed, self.scale, self.weight, self.candidates, banned)
-        return self.argmax_reference(hidden, banned)
+            return cpu_ops.q2_argmax(hidden, self.packed, self.scale, self.weight, self.candidates, banned, margins)
+        return self.argmax_reference(hidden, banned, margins)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.q4.logits(hidden)
