@@ -1273,3 +1273,19 @@ def test_one_slow_verify_pass_does_not_write_a_good_draft_off():
         rule.update(k, [min(k, [4, 3, 4, 2][i % 4])], [False], draft_seconds=0.22 * k,
                     verify_seconds=verify[k + 1] if k else 1.0)
     assert rule.on and sum(k > 1 for k in ks[-100:]) > 80, ks
+
+
+def test_a_fixed_k_above_the_adaptive_range_beside_adaptive_rows(target, drafts, mels, reference):
+    """A row asking for more draft tokens than the adaptive k ever chooses (12 > MAX_ADAPTIVE_K)
+    decoded beside adaptive rows: the iteration's k is the larger one, and the adaptive estimate
+    learns nothing from it (its counts stop at MAX_ADAPTIVE_K). Before, the adaptive rows' accepted
+    proposals past 8 were counted into those arrays and every request of the iteration failed
+    (IndexError)."""
+    from specwhisper.constants import MAX_ADAPTIVE_K
+
+    engine = Engine(target, drafts["self"], background=False)  # accepts every proposal
+    fixed = engine.submit(mels[0], language="en", max_new_tokens=MAX_NEW, num_draft_tokens=12)
+    adaptive = [engine.submit(m, language="en", max_new_tokens=MAX_NEW) for m in mels[1:3]]
+    engine.run_until([fixed, *adaptive])
+    assert [f.result().tokens for f in (fixed, *adaptive)] == reference[:3]
+    assert 12 > MAX_ADAPTIVE_K and fixed.result().stats.drafted > 0
