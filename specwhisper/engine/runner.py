@@ -340,7 +340,11 @@ class Runner:
             # drafting base), almost always 1 or 2 tokens are uncached
             return side.propose(B, k, modes, None if self.trim else side.catchup)
         R = self.pad_rows(B)
-        self.graphs.run(("draft", R, k, modes), lambda: side.propose(R, k, modes, side.catchup), self.state.rewind)
+
+        def step() -> torch.Tensor:  # a graph's outputs are tensors: the proposals (every k drafted)
+            side.propose(R, k, modes, side.catchup)
+            return self.state.proposals[:R, :k]
+        self.graphs.run(("draft", R, k, modes), step, self.state.rewind)
         return k
 
     @torch.inference_mode()
