@@ -157,11 +157,7 @@ class ScreenedHead:
         products = (p.double() @ self.int8_weights().double().T).float()
         return products * (self.scale[None, :] * sh[:, None])
 
-    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None,
-                         margins: torch.Tensor | None = None) -> torch.Tensor:
-        """The proposals; `margins` (float32 [N], written): the proposal's exact logit minus the best
-        other candidate's, in float32 (infinite where no other is above -inf): how far the draft's choice
-        leads, which `DraftSide.propose` stops at (a small lead: a likely rejection)."""
+    def argmax_reference(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
         hidden = hidden.float()
         approx = self.approx(hidden)  # [N, V]
         bound = hidden.norm(dim=1, keepdim=True) * self.bound + TINY
