@@ -2995,17 +2995,19 @@ std::tuple<at::Tensor, at::Tensor> draft_greedy(
 // runs, raw[:, :k] = the draft ids, dcached = dn + k - 1, proposals[:, :k] = the target ids of the
 // usable prefix (mapped by d2t, the row's draft on, dn + k <= max_pos, within the row's own k),
 // NO_PROPOSAL (-1) after it. Long [S] / [S, L] state tensors, bool draft_on. One call for the
-// ~37 small torch calls of the Python form (≈ 0.35 ms an iteration on cold caches).
+// ~37 small torch calls of the Python form (≈ 0.35 ms an iteration on cold caches). stop_margin
+// > 0: adaptive rows (row_k 0) stop as draft_greedy's do, and only the steps run count (draft
+// passes, raw, dcached, the proposals' columns: the later ones NO_PROPOSAL) -> the steps run.
 int64_t draft_propose(const at::Tensor& token_embedding, const at::Tensor& position_embedding, at::TensorList params,
-                   const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
-                   const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
-                   const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed,
-                   const at::Tensor& scale, const at::Tensor& weight, int64_t candidates,
-                   const c10::optional<at::Tensor>& banned, int64_t bits, const at::Tensor& dtokens,
-                   const at::Tensor& dn, const at::Tensor& dcached, const at::Tensor& draft_on,
-                   const at::Tensor& row_k, const at::Tensor& d2t, const at::Tensor& raw,
-                   const at::Tensor& proposals, const at::Tensor& draft_passes, int64_t B, int64_t k,
-                   int64_t width, int64_t max_pos, double stop_margin) {
+                      const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
+                      const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
+                      const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed,
+                      const at::Tensor& scale, const at::Tensor& weight, int64_t candidates,
+                      const c10::optional<at::Tensor>& banned, int64_t bits, const at::Tensor& dtokens,
+                      const at::Tensor& dn, const at::Tensor& dcached, const at::Tensor& draft_on,
+                      const at::Tensor& row_k, const at::Tensor& d2t, const at::Tensor& raw,
+                      const at::Tensor& proposals, const at::Tensor& draft_passes, int64_t B, int64_t k,
+                      int64_t width, int64_t max_pos, double stop_margin) {
   for (const at::Tensor* t : {&dtokens, &dn, &dcached, &row_k, &d2t, &raw, &proposals, &draft_passes})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "draft_propose: contiguous int64 CPU state tensors");
