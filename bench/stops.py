@@ -13,6 +13,7 @@ against target-only's.
 
     python bench/stops.py --draft base-2l                 # margins 0 and 2, twice each, alternated
     python bench/stops.py --draft tiny.en --margins 0 1 2 3 --repeat 1
+    python bench/stops.py --draft base-2l --fixed 3 4     # beside fixed k (no stops)
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--target", default="base")
     p.add_argument("--draft", default="base-2l")
     p.add_argument("--margins", type=float, nargs="+", default=[0.0, 2.0])
+    p.add_argument("--fixed", type=int, nargs="*", default=[], help="also fixed num_draft_tokens values (no stops)")
     p.add_argument("--repeat", type=int, default=2, help="engines per margin (alternated)")
     p.add_argument("--windows", type=int, default=3, help="flite windows (plus 3 of the demo recording)")
     p.add_argument("--rounds", type=int, default=2, help="passes over the windows per engine")
@@ -73,19 +75,20 @@ def main() -> None:
 
     Speculation.begin, Speculation.end = timed_begin, timed_end
     runs = []
+    rules = [(f"adaptive, margin {m:g}", m, None) for m in args.margins] + [(f"k = {k}", 0.0, k) for k in args.fixed]
     for _ in range(args.repeat):
-        for margin in args.margins:
+        for name, margin, k in rules:
             engine = Engine(target, draft=draft, background=False)
             engine.runner.draft_side.STOP_MARGIN = margin
             current.clear()
             tokens = 0
             for _ in range(args.rounds):
                 for audio, want in zip(audios, reference):
-                    got = engine.transcribe(audio, language="en").tokens
+                    got = engine.transcribe(audio, language="en", num_draft_tokens=k).tokens
                     if got != want:
-                        raise SystemExit(f"margin {margin}: tokens differ from target-only's")
+                        raise SystemExit(f"{name}: tokens differ from target-only's")
                     tokens += len(got)
-            runs.append((margin, list(current), tokens, engine.speculation._seconds))
+            runs.append((name, list(current), tokens, engine.speculation._seconds))
     cost = {key: statistics.median(v) for key, v in passes.items()}
     plain = cost[(0, 1)]
 
@@ -97,11 +100,11 @@ def main() -> None:
     print(f"{args.draft} drafting {args.target}, {len(audios)} windows x {args.rounds} rounds; plain step "
           f"{1e3 * plain:.2f} ms; an iteration of k draft steps (draft + verify, ms): " +
           ", ".join(f"{k}: {1e3 * price(k):.1f}" for k in sorted({k for k, _ in cost}) if k))
-    print("| margin | iterations | draft steps | tokens | priced ms / token | x plain steps | timed ms / token |")
+    print("| rule | iterations | draft steps | tokens | priced ms / token | x plain steps | timed ms / token |")
     print("|---|---|---|---|---|---|---|")
-    for margin, ks, tokens, seconds in runs:
+    for name, ks, tokens, seconds in runs:
         priced = sum(price(k) for k in ks) / tokens
-        print(f"| {margin:g} | {len(ks)} | {sum(ks)} | {tokens} | {1e3 * priced:.3f} | {plain / priced:.3f} | "
+        print(f"| {name} | {len(ks)} | {sum(ks)} | {tokens} | {1e3 * priced:.3f} | {plain / priced:.3f} | "
               f"{1e3 * seconds / tokens:.3f} |")
 
 
