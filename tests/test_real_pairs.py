@@ -180,9 +180,9 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     """`cpu_ops.draft_propose` (the uncached tokens fed, k draft steps with the 2-bit (base-2l) or
     4-bit (tiny.en) head, the slot state updated, in one C++ call) against `DraftSide.propose`'s
     Python form: every iteration's proposals, draft steps and draft state equal, single and
-    batched, k = 1, 3 and 4, and adaptive rows under a cap of 5 that stop at a small lead
-    (`DraftSide.stop_margin`; some iterations stop early) (and so the same tokens, acceptance and
-    draft passes)."""
+    batched, k = 1, 3 and 4, adaptive rows under a cap of 5 that stop at a small lead
+    (`DraftSide.stop_margin`; some iterations stop early), and an adaptive row beside one fixed at
+    k = 5 (which never stops) (and so the same tokens, acceptance and draft passes)."""
     from specwhisper.backends import cpu_ops
     from specwhisper.engine.drafting import DraftSide
     from specwhisper.engine.speculation import Speculation
@@ -213,13 +213,21 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     for fused in (True, False):
         monkeypatch.setattr(d, "fused_greedy", fused)
         results[fused] = []
-        for k in (1, 3, 4, None):
-            # adaptive rows at a cap of 5 every iteration (the estimate's timing-led choices aside)
-            monkeypatch.setattr(Speculation, "choose_k", choose_k if k else lambda self, B: (5, None))
-            for x in (mels[0], mels):
-                out = engine.transcribe(x, language="en", num_draft_tokens=k, max_new_tokens=20)
-                out = out if isinstance(out, list) else [out]
-                results[fused].append([(r.tokens, r.stats.accepted, r.stats.drafted, r.stats.draft_passes) for r in out])
+        for k in (1, 3, 4, None, "mixed"):
+            # adaptive rows at a cap of 5 every iteration (the estimate's timing-led choices aside);
+            # "mixed": a row fixed at k = 5 (it never stops) beside an adaptive one
+            monkeypatch.setattr(Speculation, "choose_k", choose_k if k in (1, 3, 4) else lambda self, B: (5, None))
+            if k == "mixed":
+                mixed_from = len(seen[fused])
+                futures = [engine.submit(m, language="en", num_draft_tokens=n, max_new_tokens=20)
+                           for m, n in zip(mels, (5, None))]
+                engine.run_until(futures)
+                out = [f.result() for f in futures]
+            else:
+                for x in (mels[0], mels):
+                    out = engine.transcribe(x, language="en", num_draft_tokens=k, max_new_tokens=20)
+                    out = out if isinstance(out, list) else [out]
+            results[fused].append([(r.tokens, r.stats.accepted, r.stats.drafted, r.stats.draft_passes) for r in out])
     assert calls[True] == len(seen[True]) > 10 and calls[False] == 0
     assert len(seen[True]) == len(seen[False])
     bad = [(i, j, a[j].tolist(), b[j].tolist()) for i, (a, b) in enumerate(zip(seen[True], seen[False])) for j in range(len(a)) if not torch.equal(a[j], b[j])]
@@ -227,6 +235,9 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     assert results[True] == results[False]
     steps = [(int(x[0][0]), int(x[0][1])) for x in seen[True]]
     assert any(s < k for k, s in steps if k == 5) and all(s == k for k, s in steps if k < 5)  # only adaptive rows stop
+    # beside an adaptive row, the fixed row keeps the draft going to its k
+    mixed = [x for x in seen[True][mixed_from:] if x[1].shape[0] == 2]
+    assert mixed and all(int(x[0][1]) == 5 for x in mixed)
 
 
 @pytest.mark.parametrize("target,draft", [("base", None), ("base", "base-2l"), ("base", "tiny.en"), ("tiny.en", "base")])
