@@ -2941,15 +2941,17 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& input_pos, c
 // slow on the caches the step's streaming leaves cold). stop_margin > 0: a row (of those `stops`
 // marks; all without it) whose proposal leads the head's next candidate by less than stop_margin
 // (exact logits, `quant_argmax`'s margins) proposes nothing after it, and the loop ends once no
-// row proposes further (`DraftSide.propose`'s stopping rule). -> (proposals [B, k] draft ids, -1 in
-// the columns of steps not run; made [B], each row's proposals).
+// row proposes further (`DraftSide.propose`'s stopping rule); rows `idle` marks (their draft off:
+// no usable proposal) then count as stopped after the first step. -> (proposals [B, k] draft ids,
+// -1 in the columns of steps not run; made [B], each row's proposals).
 std::tuple<at::Tensor, at::Tensor> draft_greedy(
     const at::Tensor& tokens, const at::Tensor& input_pos, const at::Tensor& token_embedding,
     const at::Tensor& position_embedding, at::TensorList params, const at::Tensor& self_k, const at::Tensor& self_v,
     const at::Tensor& cross_k, const at::Tensor& cross_v, int64_t kv_len, int64_t n_heads, double eps,
     const at::Tensor& final_weight, const at::Tensor& final_bias, const at::Tensor& packed, const at::Tensor& scale,
     const at::Tensor& weight, int64_t candidates, const c10::optional<at::Tensor>& banned, int64_t bits,
-    const at::Tensor& next_pos, int64_t k, double stop_margin, const c10::optional<at::Tensor>& stops) {
+    const at::Tensor& next_pos, int64_t k, double stop_margin, const c10::optional<at::Tensor>& stops,
+    const c10::optional<at::Tensor>& idle) {
   TORCH_CHECK(bits == 2 || bits == 4, "draft_greedy: a 2- or 4-bit head, got ", bits);
   TORCH_CHECK(k >= 1, "draft_greedy: k ", k, " < 1");
   const int64_t B = tokens.size(0);
@@ -2957,6 +2959,8 @@ std::tuple<at::Tensor, at::Tensor> draft_greedy(
   TORCH_CHECK(!stops || (stops->scalar_type() == at::kBool && stops->is_contiguous() && stops->numel() == B),
               "draft_greedy: stops must be contiguous bool [B]");
   const bool stopping = stop_margin > 0;
+  TORCH_CHECK(!idle || (idle->scalar_type() == at::kBool && idle->is_contiguous() && idle->numel() == B),
+              "draft_greedy: idle must be contiguous bool [B]");
   std::vector<float> margins(B);
   auto propose = [&](const at::Tensor& hidden) {  // [B, 1, d] -> [B]
     const at::Tensor h = hidden.reshape({B, hidden.size(2)});
@@ -2969,7 +2973,11 @@ std::tuple<at::Tensor, at::Tensor> draft_greedy(
   at::Tensor made = at::full({B}, k, tokens.options().dtype(at::kLong));
   int64_t* mp = made.data_ptr<int64_t>();
   const bool* sp = stops ? stops->data_ptr<bool>() : nullptr;
-  int64_t going = B;  // rows that propose further
+  int64_t going = B;  // rows that propose further (an idle row only with the others, when stopping)
+  if (stopping && idle)
+    for (int64_t b = 0; b < B; ++b)
+      if (idle->data_ptr<bool>()[b]) mp[b] = std::min<int64_t>(1, k), --going;
+  if (going == 0) going = -1;  // every row idle: one step, as every row's first
   at::Tensor hidden = decoder_step(tokens, input_pos, token_embedding, position_embedding, params, self_k, self_v,
                                    cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, T > 1 ? 1 : 0);
   const at::Tensor pos0 = next_pos.to(at::kLong);
@@ -2979,7 +2987,7 @@ std::tuple<at::Tensor, at::Tensor> draft_greedy(
     if (stopping)
       for (int64_t b = 0; b < B; ++b)
         if (mp[b] == k && (!sp || sp[b]) && margins[b] < static_cast<float>(stop_margin)) mp[b] = j + 1, --going;
-    if (going == 0) break;
+    if (going <= 0) break;
     if (j + 1 < k)
       hidden = decoder_step(x.view({B, 1}), (pos0 + j).view({B, 1}), token_embedding, position_embedding, params,
                             self_k, self_v, cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, 0);
@@ -2996,7 +3004,8 @@ std::tuple<at::Tensor, at::Tensor> draft_greedy(
 // usable prefix (mapped by d2t, the row's draft on, dn + k <= max_pos, within the row's own k),
 // NO_PROPOSAL (-1) after it. Long [S] / [S, L] state tensors, bool draft_on. One call for the
 // ~37 small torch calls of the Python form (≈ 0.35 ms an iteration on cold caches). stop_margin
-// > 0: adaptive rows (row_k 0) stop as draft_greedy's do, and only the steps run count (draft
+// > 0: adaptive rows (row_k 0) stop as draft_greedy's do (rows whose draft is off do not keep
+// the loop going), and only the steps run count (draft
 // passes, raw, dcached, the proposals' columns: the later ones NO_PROPOSAL) -> the steps run.
 int64_t draft_propose(const at::Tensor& token_embedding, const at::Tensor& position_embedding, at::TensorList params,
                       const at::Tensor& self_k, const at::Tensor& self_v, const at::Tensor& cross_k,
@@ -3038,7 +3047,8 @@ int64_t draft_propose(const at::Tensor& token_embedding, const at::Tensor& posit
   const auto [out, made] = draft_greedy(feed, src, token_embedding, position_embedding, params, self_k, self_v,
                                         cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, packed, scale,
                                         weight, candidates, banned, bits, dn.narrow(0, 0, B), k, stop_margin,
-                                        row_k.narrow(0, 0, B).eq(0));  // adaptive rows stop (fixed k: 0)
+                                        row_k.narrow(0, 0, B).eq(0),  // adaptive rows stop (fixed k: 0)
+                                        draft_on.narrow(0, 0, B).logical_not());  // rows not drafting
   const int64_t *op = out.data_ptr<int64_t>(), *mp = made.data_ptr<int64_t>();
   const int64_t steps = *std::max_element(mp, mp + B);  // draft steps run (the proposals' columns)
   for (int64_t b = 0; b < B; ++b) {
@@ -3404,7 +3414,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("avx512_half_width() -> bool");
   m.def("encoder_attention(Tensor qkv, int heads, int block=0) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
-  m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k, float stop_margin=0., Tensor? stops=None) -> (Tensor, Tensor)");
+  m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k, float stop_margin=0., Tensor? stops=None, Tensor? idle=None) -> (Tensor, Tensor)");
   m.def("draft_propose(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor dtokens, Tensor dn, Tensor(c!) dcached, Tensor draft_on, Tensor row_k, Tensor d2t, Tensor(d!) raw, Tensor(e!) proposals, Tensor(f!) draft_passes, int B, int k, int width, int max_pos, float stop_margin=0.) -> int");
   m.def("verify_greedy(Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor bound, Tensor weight, float tiny, Tensor suppress, Tensor(c!) tokens, Tensor(d!) n_tokens, Tensor(e!) done, Tensor budget, Tensor? proposals, Tensor(f!) target_passes, Tensor(g!) drafted, Tensor(h!) accepted_total, Tensor(i!) accepted_now, int eot, int B, int k, bool draft_commit, Tensor(j!)? dtokens, Tensor(k!)? dn, Tensor(l!)? dcached, Tensor? draft_on, Tensor? raw, Tensor? t2d, Tensor? t2d_len) -> ()");
   m.def("accept_greedy(Tensor choice, Tensor? hidden, Tensor(a!) tokens, Tensor(b!) n_tokens, Tensor(c!) done, Tensor budget, Tensor? proposals, Tensor(d!) target_passes, Tensor(e!) drafted, Tensor(f!) accepted_total, Tensor(g!) accepted_now, Tensor(h!)? hidden_state, int eot, int k, bool draft_commit, Tensor(i!)? dtokens, Tensor(j!)? dn, Tensor(k!)? dcached, Tensor? draft_on, Tensor? raw, Tensor? t2d, Tensor? t2d_len) -> ()");

@@ -222,6 +222,12 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
                 futures = [engine.submit(m, language="en", num_draft_tokens=n, max_new_tokens=20)
                            for m, n in zip(mels, (5, None))]
                 engine.run_until(futures)
+                # then an adaptive row beside one in French: tiny.en (English-only) stands aside for
+                # it, and that row, its draft off, does not keep the draft steps going
+                aside_from = len(seen[fused])
+                futures += [engine.submit(m, language=lang, max_new_tokens=20)
+                            for m, lang in zip(mels, ("en", "fr"))]
+                engine.run_until(futures[2:])
                 out = [f.result() for f in futures]
             else:
                 for x in (mels[0], mels):
@@ -236,8 +242,11 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
     steps = [(int(x[0][0]), int(x[0][1])) for x in seen[True]]
     assert any(s < k for k, s in steps if k == 5) and all(s == k for k, s in steps if k < 5)  # only adaptive rows stop
     # beside an adaptive row, the fixed row keeps the draft going to its k
-    mixed = [x for x in seen[True][mixed_from:] if x[1].shape[0] == 2]
+    mixed = [x for x in seen[True][mixed_from:aside_from] if x[1].shape[0] == 2]
     assert mixed and all(int(x[0][1]) == 5 for x in mixed)
+    aside = [int(x[0][1]) for x in seen[True][aside_from:] if x[1].shape[0] == 2]
+    if draft == "tiny.en":  # the French row's draft is off: the English row's stops end the steps
+        assert results[True][-1][-1][2] == 0 and any(s < 5 for s in aside)
 
 
 @pytest.mark.parametrize("target,draft", [("base", None), ("base", "base-2l"), ("base", "tiny.en"), ("tiny.en", "base")])

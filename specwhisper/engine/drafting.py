@@ -96,7 +96,8 @@ class DraftSide:
         -> the draft steps run, the proposals' columns (the proposals [B, k] in target ids, -1: no
         usable proposal from there on, in `state.proposals`). An adaptive row (no fixed k) stops
         after a proposal that leads the draft's next candidate by less than `stop_margin` (greedy
-        rows of a compact draft, eager), and the draft stops once no row goes on."""
+        rows of a compact draft, eager), and the draft stops once no row goes on (a row whose draft
+        is off, e.g. one it stands aside for, does not keep it going)."""
         d, st = self.drafter, self.state
         ddec = d.draft.model.decoder
         kv_len = min(int(self.host_len_max) + k + 1, self.max_pos + 1) if self.trim else None
@@ -117,13 +118,16 @@ class DraftSide:
         margins = torch.empty(B, device=self.device) if stop > 0 else None
         made = torch.full((B,), k, dtype=torch.long, device=self.device)  # each row's proposals
         stops = st.row_k[:B] == 0  # adaptive rows
+        if margins is not None:  # rows not drafting do not keep the loop going
+            made[~st.draft_on[:B]] = min(1, k)
+        going = margins is None or bool((made == k).any())  # (all idle: one step)
         raws = []
         for step in range(k):
             x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws, margins)  # [B]
             raws.append(x)
             if margins is not None:
                 made[(made == k) & stops & (margins < stop)] = step + 1
-                if not bool((made == k).any()):
+                if not going or not bool((made == k).any()):
                     break
             if step + 1 < k:
                 pos = (dn + step)[:, None]
