@@ -2977,7 +2977,6 @@ std::tuple<at::Tensor, at::Tensor> draft_greedy(
   if (stopping && idle)
     for (int64_t b = 0; b < B; ++b)
       if (idle->data_ptr<bool>()[b]) mp[b] = std::min<int64_t>(1, k), --going;
-  if (going == 0) going = -1;  // every row idle: one step, as every row's first
   at::Tensor hidden = decoder_step(tokens, input_pos, token_embedding, position_embedding, params, self_k, self_v,
                                    cross_k, cross_v, kv_len, n_heads, eps, final_weight, final_bias, T > 1 ? 1 : 0);
   const at::Tensor pos0 = next_pos.to(at::kLong);

@@ -120,14 +120,13 @@ class DraftSide:
         stops = st.row_k[:B] == 0  # adaptive rows
         if margins is not None:  # rows not drafting do not keep the loop going
             made[~st.draft_on[:B]] = min(1, k)
-        going = margins is None or bool((made == k).any())  # (all idle: one step)
         raws = []
         for step in range(k):
             x = self.choose(hidden, slots, st.n_tokens[:B] - 1 + step, modes, raws, margins)  # [B]
             raws.append(x)
             if margins is not None:
                 made[(made == k) & stops & (margins < stop)] = step + 1
-                if not going or not bool((made == k).any()):
+                if not bool((made == k).any()):
                     break
             if step + 1 < k:
                 pos = (dn + step)[:, None]

@@ -444,9 +444,8 @@ class Q4Head:
                 else:
                     second = max(second, e)
             out[r] = 0 if best_id is None else best_id
-            if margins is not None:
-                lead = torch.tensor(best if best_id is not None else 0.0) - torch.tensor(second)  # float32
-                margins[r] = lead if second > -float("inf") else float("inf")
+            if margins is not None:  # (float32 arithmetic, as the op's)
+                margins[r] = float("inf") if second == -float("inf") else torch.tensor(best) - torch.tensor(second)
         return out
 
 
