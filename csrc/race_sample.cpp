@@ -7,6 +7,9 @@
 // its logits (first index among ties) and draws no noise.
 #include "processed.h"
 
+#include <cmath>
+#include <limits>
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +35,28 @@ SPECWHISPER_CLONES void race_scores(const double* w, Distribution p, RowKey key,
 #pragma omp simd
   for (int64_t i = 0; i < V; ++i)
     score[i] = (w[i] >= tau ? w[i] * inv_kept : 0.0) / static_cast<double>(noise[i]);
+}
+
+// A winner's lead over the best other column (spec: sampling.py `race_leads`), in logit units:
+// a raced row's T * ln(score[best] / runner-up), an argmax row's logit difference; +inf where no
+// other column could win (every other score 0, every other logit -inf).
+float race_lead(const double* score, int64_t V, int64_t best, float temperature) {
+  double second = 0.0;
+  for (int64_t i = 0; i < V; ++i)
+    if (i != best && score[i] > second) second = score[i];
+  if (!(second > 0.0)) return std::numeric_limits<float>::infinity();
+  return static_cast<float>(static_cast<double>(temperature) * (std::log(score[best]) - std::log(second)));
+}
+
+template <typename scalar_t>
+float logit_lead(const scalar_t* row, int64_t V, int64_t best) {
+  float second = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) {
+    const float x = static_cast<float>(row[i]);
+    if (i != best && x > second) second = x;
+  }
+  if (second == -std::numeric_limits<float>::infinity()) return std::numeric_limits<float>::infinity();
+  return static_cast<float>(row[best]) - second;
 }
 
 void check_rows(const at::Tensor& t, int64_t N, at::ScalarType dtype, const char* name) {
@@ -64,7 +89,8 @@ at::Tensor exp_noise_cpu(const at::Tensor& seed_in, const at::Tensor& position_i
 at::Tensor race_sample_cpu(const at::Tensor& logits_in, const at::Tensor& temperature_in,
                            const at::Tensor& top_p_in, const at::Tensor& seed_in,
                            const at::Tensor& position_in,
-                           const std::optional<at::Tensor>& noise_ids_in) {
+                           const std::optional<at::Tensor>& noise_ids_in,
+                           const std::optional<at::Tensor>& leads_in) {
   TORCH_CHECK(logits_in.dim() == 2, "logits must be [N, V]");
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
   TORCH_CHECK(V >= 1, "logits must have at least one column");
@@ -85,6 +111,13 @@ at::Tensor race_sample_cpu(const at::Tensor& logits_in, const at::Tensor& temper
   const int64_t row_stride = logits.stride(0);
   const at::Tensor temperature = temperature_in.contiguous(), top_p = top_p_in.contiguous(),
                    seed = seed_in.contiguous(), position = position_in.contiguous();
+  float* lead = nullptr;  // each winner's lead (sampling.race_leads), where asked for
+  if (leads_in.has_value()) {
+    TORCH_CHECK(leads_in->dim() == 1 && leads_in->size(0) == N && leads_in->scalar_type() == at::kFloat &&
+                    leads_in->is_contiguous(),
+                "leads must be contiguous float32 [N] with N = ", N);
+    lead = leads_in->data_ptr<float>();
+  }
   at::Tensor tokens = at::empty({N}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   const float* t = temperature.data_ptr<float>();
@@ -102,6 +135,7 @@ at::Tensor race_sample_cpu(const at::Tensor& logits_in, const at::Tensor& temper
         const scalar_t* row = base + r * row_stride;
         if (!(t[r] > 0.0f)) {
           out[r] = argmax_row(row, V);
+          if (lead) lead[r] = logit_lead(row, V, out[r]);
           continue;
         }
         const float inv_t = static_cast<float>(1.0 / static_cast<double>(t[r]));
@@ -109,6 +143,7 @@ at::Tensor race_sample_cpu(const at::Tensor& logits_in, const at::Tensor& temper
             distribution(as_float(row, V, x.data()), V, inv_t, tp[r] < 1.0f, tp[r], w.data());
         race_scores(w.data(), p, row_key(s[r], pos[r]), ids, V, noise.data(), score.data());
         out[r] = first_argmax(score.data(), V);
+        if (lead) lead[r] = race_lead(score.data(), V, out[r], t[r]);
       }
     });
   });
@@ -121,7 +156,7 @@ TORCH_LIBRARY_FRAGMENT(specwhisper, m) {
   m.def("exp_noise(Tensor seed, Tensor position, Tensor noise_ids) -> Tensor");
   m.def(
       "race_sample(Tensor logits, Tensor temperature, Tensor top_p, Tensor seed, Tensor position, "
-      "Tensor? noise_ids) -> Tensor");
+      "Tensor? noise_ids, Tensor(a!)? leads=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specwhisper, CPU, m) {

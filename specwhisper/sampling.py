@@ -247,6 +247,29 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     return torch.where(temperature > 0, scores.argmax(-1), logits.argmax(-1))
 
 
+def race_leads(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+               seed: torch.Tensor, position: torch.Tensor,
+               noise_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """How far each row's `race_sample` winner leads the best other column, in logit units
+    (float32 [N]): a raced row's T · ln(score / runner-up's score) (its scores probs64 / noise),
+    an argmax row's (temperature <= 0) logit difference; +inf where no other column could win
+    (every other score 0, every other logit -inf). Since the noise is keyed by token, a second
+    model's winner differs only where its logits move the columns' difference by more than this:
+    a draft stops proposing after a proposal with a small lead (`DraftSide.stop_margin`). The
+    C++ op writes the same values (`ops.race_sample(..., leads=)`)."""
+    N, V = logits.shape
+    inf = torch.full((N,), float("inf"), device=logits.device)
+    if V < 2:
+        return inf
+    ids = torch.arange(V, device=logits.device) if noise_ids is None else noise_ids
+    scores = _probs64(logits, temperature, top_p) / exp_noise(seed, position, ids).double()
+    top = scores.topk(2, -1).values
+    raced = torch.where(top[:, 1] > 0, (temperature.double() * (top[:, 0].log() - top[:, 1].log())).float(), inf)
+    best = logits.float().topk(2, -1).values
+    argmax = torch.where(best[:, 1] > -float("inf"), best[:, 0] - best[:, 1], inf)
+    return torch.where(temperature > 0, raced, argmax)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits.float()) [N, V] at tokens [N] -> [N] float32 (openai-whisper's
     per-token log probability: suppression applied, temperature not)."""

@@ -310,12 +310,23 @@ def test_cpp_race_matches_reference(cpp_op, N, V, dtype, mode):
     got = ops.cpp_ops().race_sample(*args)
     assert got.dtype == torch.int64 and got.shape == (N,)
     assert torch.equal(got, S.race_sample(*args))
+    leads = torch.full((N,), float("nan"))
+    assert torch.equal(ops.cpp_ops().race_sample(*args, leads), got)  # the same tokens, and their leads
+    assert torch.equal(leads, S.race_leads(*args))
 
 
 @pytest.mark.parametrize("name,args", RACE_EDGE_CASES, ids=[c[0] for c in RACE_EDGE_CASES])
 def test_cpp_race_edge_cases(cpp_op, name, args):
     expected = S.race_sample(*args)
     assert torch.equal(ops.cpp_ops().race_sample(*args), expected)
+    leads = torch.full((len(expected),), float("nan"))
+    assert torch.equal(ops.cpp_ops().race_sample(*args, leads), expected)
+    assert torch.equal(leads, S.race_leads(*args))
+    assert (leads >= 0).all()
+    if name == "ties_greedy":  # a logit tied with the winner's: a lead of 0
+        assert (leads == 0).any()
+    if name in ("one_finite", "V=1"):  # nothing else could win
+        assert torch.isinf(leads).all()
     if name == "ties_greedy":
         assert torch.equal(expected, args[0].argmax(-1))  # first index among ties
     if name == "one_finite":
@@ -329,6 +340,7 @@ def test_cpp_race_strided_rows_and_opcheck(cpp_op):
                        S.race_sample(row, t, tp, sd, pos))
     torch.library.opcheck(ops.cpp_ops().race_sample, (logits, t, tp, sd, pos, None))
     torch.library.opcheck(ops.cpp_ops().race_sample, (logits, t, tp, sd, pos, torch.arange(300)))
+    torch.library.opcheck(ops.cpp_ops().race_sample, (logits, t, tp, sd, pos, None, torch.empty(8)))
     torch.library.opcheck(ops.cpp_ops().exp_noise, (sd, pos, torch.arange(300)))
 
 
@@ -341,6 +353,11 @@ def test_cpp_race_rejects_bad_arguments(cpp_op):
         race(logits, t, tp, sd[:2], pos, None)
     with pytest.raises(RuntimeError, match="noise_ids"):
         race(logits, t, tp, sd, pos, torch.arange(29))
+    for bad in (torch.empty(3), torch.empty(4, dtype=torch.float64), torch.empty(8)[::2]):
+        with pytest.raises(RuntimeError, match="leads"):
+            race(logits, t, tp, sd, pos, None, bad)
+        with pytest.raises(ValueError, match="leads"):
+            ops.race_sample(logits, t, tp, sd, pos, None, bad)
 
 
 # Interpreted Triton: small vocabularies, and one row pair at V = 51866.

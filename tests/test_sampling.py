@@ -444,6 +444,36 @@ def test_race_greedy_rows_are_the_argmax():
                                                    pos[1::2]))
 
 
+def test_race_leads_say_how_far_the_winner_leads():
+    """`race_leads`: raising the runner-up's logit by a little less than the winner's lead keeps
+    the winner; by a little more, the runner-up wins (the noise is keyed by token: it stays with the
+    column), at a temperature and greedy alike."""
+    g = torch.Generator().manual_seed(23)
+    N, V = 300, 50
+    logits = torch.randn(N, V, generator=g) * 2
+    t, tp, seed, pos = _rows(N, 0.6, 1.0)
+    t[::3] = 0.0
+    win = S.race_sample(logits, t, tp, seed, pos)
+    leads = S.race_leads(logits, t, tp, seed, pos)
+    rows = torch.arange(N)
+    # the runner-up: the race's winner once the winner is out
+    runner_up = S.race_sample(logits.index_put((rows, win), torch.tensor(-math.inf)), t, tp, seed, pos)
+    assert (runner_up != win).all() and torch.isfinite(leads).all() and (leads > 0).all()
+    checked = 0
+    for r in range(N):
+        if leads[r] < 0.05:  # (the weights' integer rounding blurs a near tie)
+            continue
+        for factor, winner in ((0.98, win[r]), (1.02, runner_up[r])):
+            bumped = logits[r:r + 1].clone()
+            bumped[0, runner_up[r]] += factor * leads[r]
+            assert S.race_sample(bumped, t[r:r + 1], tp[r:r + 1], seed[r:r + 1], pos[r:r + 1]) == winner, (r, factor)
+        checked += 1
+    assert checked > 0.9 * N
+    one_hot = torch.full((4, 9), -math.inf)
+    one_hot[:, 4] = 0.0
+    assert torch.isinf(S.race_leads(one_hot, *_rows(4, 1.0, 1.0))).all()  # nothing else could win
+
+
 def test_race_respects_support():
     g = torch.Generator().manual_seed(21)
     logits = torch.randn(4000, 20, generator=g) * 2

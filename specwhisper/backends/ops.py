@@ -65,11 +65,13 @@ def exp_noise(seed: torch.Tensor, position: torch.Tensor, noise_ids: torch.Tenso
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                 seed: torch.Tensor, position: torch.Tensor,
-                noise_ids: torch.Tensor | None = None) -> torch.Tensor:
+                noise_ids: torch.Tensor | None = None, leads: torch.Tensor | None = None) -> torch.Tensor:
     """`sampling.race_sample`: one token per row of logits [N, V] (fp32 / fp16 / bf16; rows may be
     strided, the vocabulary dim must not be), temperature [N] float32 (<= 0: argmax), top_p [N]
     float32, seed [N] int64, position [N] int64, noise_ids [V] int64 or None (arange(V))
-    -> tokens [N] int64. No host sync: capturable in a CUDA graph."""
+    -> tokens [N] int64. No host sync: capturable in a CUDA graph. `leads` (float32 [N],
+    contiguous): written with each winner's lead (`sampling.race_leads`; in the same pass on the
+    CPU, by the reference elsewhere)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
     N, V = logits.shape
@@ -83,7 +85,15 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
         raise ValueError(f"noise_ids must be [{V}], got {tuple(noise_ids.shape)}")
     if V > sampling.MAX_VOCAB:
         raise ValueError(f"vocabulary {V} exceeds {sampling.MAX_VOCAB} (exact float64 weight sums)")
+    if leads is not None and (leads.shape != (N,) or leads.dtype != torch.float32 or not leads.is_contiguous()
+                              or leads.device != logits.device):
+        raise ValueError(f"leads must be contiguous [{N}] float32 on {logits.device}, got "
+                         f"{tuple(leads.shape)} {leads.dtype} on {leads.device}")
     backend = which_backend(logits.device)
+    if backend == "cpp":
+        return cpp_ops().race_sample(logits, temperature, top_p, seed, position, noise_ids, leads)
+    if leads is not None:
+        leads.copy_(sampling.race_leads(logits, temperature, top_p, seed, position, noise_ids))
     if backend == "triton" and logits.dtype in _TRITON_DTYPES:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
@@ -91,8 +101,6 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
         return triton_kernels().race_sample_triton(
             logits, temperature.contiguous(), top_p.contiguous(), seed.contiguous(),
             position.contiguous(), ids)
-    if backend == "cpp":
-        return cpp_ops().race_sample(logits, temperature, top_p, seed, position, noise_ids)
     return sampling.race_sample(logits, temperature, top_p, seed, position, noise_ids)
 
 
@@ -243,7 +251,7 @@ def _register_fake() -> None:
         return seed.new_empty((seed.shape[0], noise_ids.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("specwhisper::race_sample")
-    def _(logits, temperature, top_p, seed, position, noise_ids):
+    def _(logits, temperature, top_p, seed, position, noise_ids, leads=None):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
