@@ -14,6 +14,7 @@ against target-only's.
     python bench/stops.py --draft base-2l                 # margins 0 and 2, twice each, alternated
     python bench/stops.py --draft tiny.en --margins 0 1 2 3 --repeat 1
     python bench/stops.py --draft base-2l --fixed 3 4     # beside fixed k (no stops)
+    python bench/stops.py --draft base-2l --temperature 0.5 --fixed 3   # sampled rows (their race's leads)
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=3, help="flite windows (plus 3 of the demo recording)")
     p.add_argument("--rounds", type=int, default=2, help="passes over the windows per engine")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled rows at this temperature (seeded)")
+    p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from bench.cpu import cpu_model, synthesize_windows
@@ -54,7 +57,9 @@ def main() -> None:
     demo = torch.from_numpy(load_audio(SAMPLES_DIR / "demo.flac"))
     audios += [demo[i * 400_000:(i + 1) * 400_000] for i in range(3)]  # 25 s windows
     print(cpu_model())
-    reference = [Engine(target, background=False).transcribe(a, language="en").tokens for a in audios]
+    # sampled rows reproduce across drafts and k (the race's noise is keyed by seed, position, token)
+    sampled = dict(temperature=args.temperature, seed=args.seed) if args.temperature > 0 else {}
+    reference = [Engine(target, background=False).transcribe(a, language="en", **sampled).tokens for a in audios]
 
     passes = collections.defaultdict(list)  # (draft steps, 0 draft / 1 verify) -> seconds
     current: list[int] = []
@@ -84,7 +89,7 @@ def main() -> None:
             tokens = 0
             for _ in range(args.rounds):
                 for audio, want in zip(audios, reference):
-                    got = engine.transcribe(audio, language="en", num_draft_tokens=k).tokens
+                    got = engine.transcribe(audio, language="en", num_draft_tokens=k, **sampled).tokens
                     if got != want:
                         raise SystemExit(f"{name}: tokens differ from target-only's")
                     tokens += len(got)

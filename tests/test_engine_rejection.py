@@ -83,6 +83,33 @@ def test_batched_speculative_sampling_matches_target_only(pair, drafts, mel, pla
     assert two_sample_pvalue(plain, spec) > ALPHA
 
 
+@pytest.mark.parametrize("rule", ["rejection", "race"])
+def test_drafts_that_stop_at_a_small_race_lead_keep_the_target_distribution(pair, drafts, mel, plain, rule,
+                                                                            monkeypatch):
+    """Adaptive rows under a cap of 3 whose draft stops after a proposal with a small race lead
+    (`DraftSide.stop_margin`, `sampling.race_leads`): where the draft stops depends on its own
+    proposals and noise alone, so the output still follows the target's distribution."""
+    from specwhisper.engine.drafting import DraftSide
+    from specwhisper.engine.speculation import Speculation
+
+    tested = engine(pair[0], drafts["same"], sampling=rule)
+    steps = []
+    propose = DraftSide.propose
+
+    def recorded(self, B, k, *args, **kwargs):
+        steps.append((k, propose(self, B, k, *args, **kwargs)))
+        return steps[-1][1]
+
+    monkeypatch.setattr(DraftSide, "propose", recorded)
+    monkeypatch.setattr(Speculation, "choose_k", lambda self, B: (3, None))
+    # (the random test models' leads are small: a margin that some proposals pass and some do not)
+    monkeypatch.setattr(tested.runner.draft_side, "STOP_MARGIN", 0.5)
+    spec, stats = sampled(tested, mel, seed0=45_000)
+    assert any(s < k for k, s in steps) and any(s == k for k, s in steps)
+    assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
+    assert two_sample_pvalue(plain, spec) > ALPHA
+
+
 def test_one_row_at_a_time_rejection(pair, drafts, mel, plain):
     """max_batch=1: a row never shares a pass (256 samples)."""
     one = engine(pair[0], drafts["same"], sampling="rejection", max_batch=1)

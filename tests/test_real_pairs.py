@@ -249,6 +249,43 @@ def test_fused_greedy_draft_steps_propose_what_the_loop_proposes(draft, engines,
         assert results[True][-1][-1][2] == 0 and any(s < 5 for s in aside)
 
 
+@pytest.mark.parametrize("draft", ["base-2l", "tiny.en"])
+def test_sampled_adaptive_rows_stop_at_a_small_race_lead(draft, engines, mels, monkeypatch):
+    """Sampled rows of an adaptive k stop drafting after a proposal whose race lead is small
+    (`sampling.race_leads`, `DraftSide.stop_margin`): under a cap of 5 some iterations stop early
+    (none with the margin at 0), and every row's tokens are target-only's, single and batched
+    beside a greedy row (whose lead is then its logits' difference)."""
+    from specwhisper.engine.drafting import DraftSide
+    from specwhisper.engine.speculation import Speculation
+
+    engine, alone = engines("base", draft, torch.float32), engines("base", None, torch.float32)
+    steps = []
+    propose = DraftSide.propose
+
+    def recorded(self, B, k, *args, **kwargs):
+        steps.append((k, propose(self, B, k, *args, **kwargs)))
+        return steps[-1][1]
+
+    sampled = dict(language="en", temperature=0.7, seed=3, max_new_tokens=16)
+    want = alone.transcribe(mels, **sampled)
+    greedy_want = alone.transcribe(mels[1], language="en", max_new_tokens=16)
+    monkeypatch.setattr(DraftSide, "propose", recorded)
+    monkeypatch.setattr(Speculation, "choose_k", lambda self, B: (5, None))  # the cap, whatever the estimate
+    runs = {}
+    for margin in (DraftSide.STOP_MARGIN, 0.0):
+        monkeypatch.setattr(engine.runner.draft_side, "STOP_MARGIN", margin)
+        steps.clear()
+        assert engine.transcribe(mels[0], **sampled).tokens == want[0].tokens
+        if margin:
+            assert [r.tokens for r in engine.transcribe(mels, **sampled)] == [r.tokens for r in want]
+            futures = [engine.submit(mels[0], **sampled), engine.submit(mels[1], language="en", max_new_tokens=16)]
+            engine.run_until(futures)
+            assert [f.result().tokens for f in futures] == [want[0].tokens, greedy_want.tokens]
+        runs[margin] = list(steps)
+    assert runs[0.0] and all(s == k for k, s in runs[0.0])
+    assert any(s < k for k, s in runs[DraftSide.STOP_MARGIN])
+
+
 @pytest.mark.parametrize("target,draft", [("base", None), ("base", "base-2l"), ("base", "tiny.en"), ("tiny.en", "base")])
 def test_fused_greedy_verify_passes_keep_what_the_python_form_keeps(target, draft, engines, mels, monkeypatch):
     """`cpu_ops.verify_greedy` (plain greedy rows: the pass, the exact screened argmax and the

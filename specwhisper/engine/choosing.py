@@ -62,18 +62,20 @@ class Rows:
 
 def choose_tokens(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                   banned: torch.Tensor, rows: Rows, tables: rules.RuleTables, timestamps: bool,
-                  noise_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  noise_ids: torch.Tensor | None = None,
+                  leads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B, T] from hidden [B, T, d] -> (choices [B, T], the logits [B, T, V] they were
     raced from). `logits_fn`: the model's head (hidden -> logits); `banned`: [V] or [B, T, V]
     bool; `timestamps`: apply the timestamp rules to the rows that want them (other rows are only
     suppressed); `noise_ids`: the race's noise per vocabulary column (None: the column's id; a
-    draft with another vocabulary races its columns with their target ids' noise)."""
+    draft with another vocabulary races its columns with their target ids' noise); `leads`:
+    float32 [B * T], written with each choice's lead (`sampling.race_leads`)."""
     B, T, _ = hidden.shape
     logits = ruled_logits(logits_fn(hidden).float(), banned, rows, tables, timestamps)
     st, slots = rows.state, rows.slots
     flat = slots[:, None].expand(B, T).reshape(-1)
     choices = ops.race_sample(logits.reshape(B * T, -1), st.temperature[flat], st.top_p[flat], st.seed[flat],
-                              rows.predicted.reshape(-1), noise_ids)
+                              rows.predicted.reshape(-1), noise_ids, leads)
     return choices.view(B, T), logits
 
 
