@@ -83,16 +83,15 @@ def test_batched_speculative_sampling_matches_target_only(pair, drafts, mel, pla
     assert two_sample_pvalue(plain, spec) > ALPHA
 
 
-@pytest.mark.parametrize("rule", ["rejection", "race"])
-def test_drafts_that_stop_at_a_small_race_lead_keep_the_target_distribution(pair, drafts, mel, plain, rule,
-                                                                            monkeypatch):
+def test_drafts_that_stop_at_a_small_race_lead_keep_the_target_distribution(pair, drafts, mel, plain, monkeypatch):
     """Adaptive rows under a cap of 3 whose draft stops after a proposal with a small race lead
     (`DraftSide.stop_margin`, `sampling.race_leads`): where the draft stops depends on its own
-    proposals and noise alone, so the output still follows the target's distribution."""
+    proposals and noise alone, so the output still follows the target's distribution. (Under the
+    race rule a seeded row's tokens do not depend on where the draft stops: tests/test_real_pairs.py.)"""
     from specwhisper.engine.drafting import DraftSide
     from specwhisper.engine.speculation import Speculation
 
-    tested = engine(pair[0], drafts["same"], sampling=rule)
+    tested = engine(pair[0], drafts["same"], sampling="rejection")
     steps = []
     propose = DraftSide.propose
 
