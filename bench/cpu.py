@@ -464,9 +464,11 @@ def main() -> None:
     texts = [t for _, t in windows]
     # a draft's own int8 encoder (tiny.en): weights within 63 where the int8 kernels lack VNNI
     int8_max = encoder_cpu.int8_weight_max() if encoder_cpu.int8_usable() else None
+    stream = "to L2" if cpu_ops.stream_prefetch_l2() else "non-temporally"
     print(f"CPU: {cpu_model()}; torch kernels {torch.backends.cpu.get_cpu_capability()}; "
-          f"huge pages {cpu_ops.huge_pages()}; int8 draft weights up to {int8_max}", flush=True)
-    result = dict(machine=cpu_model(), threads=args.threads, huge_pages=cpu_ops.huge_pages(),
+          f"huge pages {cpu_ops.huge_pages()}; int8 draft weights up to {int8_max}; weight streams "
+          f"prefetched {stream}", flush=True)
+    result = dict(machine=cpu_model(), threads=args.threads, huge_pages=cpu_ops.huge_pages(), streams=stream,
                   torch=torch.__version__, decode_ops=cpu_ops.available(), int8_weight_max=int8_max,
                   held_to=os.environ.get("SPECWHISPER_VECTOR_LEVEL") and "AVX2 (--vector-level 1)",
                   window_seconds=[len(a) / SR for a, _ in windows], position=POSITION)
@@ -583,7 +585,8 @@ def markdown(r: dict) -> str:
              f"of {statistics.mean(r['window_seconds']):.1f} s ({r['machine']}, torch {r['torch']}, "
              f"decode ops {'on' if r['decode_ops'] else 'off'}"
              f"{', held to ' + r['held_to'] if r.get('held_to') else ''}"
-             f"{', int8 draft weights up to ' + str(r['int8_weight_max']) if r.get('int8_weight_max') else ''})", "",
+             f"{', int8 draft weights up to ' + str(r['int8_weight_max']) if r.get('int8_weight_max') else ''}"
+             f"{', weight streams prefetched ' + r['streams'] if r.get('streams') else ''})", "",
              f"Bandwidth {r['bandwidth']['GBps']:.1f} GB/s (read {r['bandwidth']['read_GBps']:.1f}, copy "
              f"{r['bandwidth']['copy_GBps']:.1f}); bytes per token {r['bytes_per_token']['total'] / 1e6:.0f} MB "
              f"(blocks {r['bytes_per_token']['blocks'] / 1e6:.0f}, head {r['bytes_per_token']['head'] / 1e6:.0f}, "

@@ -298,7 +298,7 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* x, const W*
 // The AVX2 screen of the output head too (held to AVX2, 5 / 9 rows: 1.58 -> 1.48, 2.92 -> 2.59 ms);
 // its AVX-512 form kept prefetcht0 (T1 there: 1 row 0.86 -> 0.92 ms).
 //
-// Now non-temporal (prefetchnta), as the target's value rows and the AVX-512 screen: a step reads
+// Non-temporal (prefetchnta) on AMD, as the target's value rows and the AVX-512 screen: a step reads
 // each of the target's ≈ 110 MB once (float16 weights, float32 cross K/V, the head's int8 copy),
 // and with T0/T1 fills it pushed everything else out of L2 and L3: the draft's ≈ 17 MB read again
 // at every draft step, and the engine's own Python objects between the C++ calls. A draft's
@@ -309,13 +309,27 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* x, const W*
 // 1.006× / 1.034× (a step 3.48 -> 3.34 and 2.47 -> 2.40 ms); held to AVX2 1.011× and 1.034× (the
 // 4-row verify pass 4.84 / 4.85: no slower). A 96 MB stream read between two reads of a 12 MB
 // buffer left it at 28 GB/s (DRAM) with plain loads, 39-43 GB/s with NTA prefetches (68 hot).
-constexpr _mm_hint kStreamHint = _MM_HINT_NTA;
+// On Intel the same prefetches go to L2 (prefetcht1): there prefetchnta fills L1 alone, and a tile
+// ahead of the arithmetic its lines can leave L1 before they are read. Base on 2 threads of a Xeon
+// with AVX-512 and AMX, the two alternated in one process (8 rounds): a step at position 64, one row
+// 8.68 -> 6.67 ms, 5 rows 11.36 -> 8.03; whole calls over 3 of the demo's 30 s windows paired 1.107×
+// faster target-only (0.94-1.21), 1.129× drafted by base-2l (1.07-1.25). `set_stream_l2` sets it.
+static bool g_stream_l2 = [] {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "GenuineIntel"
+}();
 
-// kStreamHint for a stream of W: a draft's bfloat16 cross keys keep T1 (reread every draft step).
+inline void prefetch_stream(const void* p) {
+  if (g_stream_l2) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA);
+}
+
+// prefetch_stream for a stream of W: a draft's bfloat16 cross keys keep T1 (reread every draft step).
 template <typename W>
 inline void stream_prefetch(const void* p) {
   if (std::is_same<W, bf16>::value) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-  else _mm_prefetch(reinterpret_cast<const char*>(p), kStreamHint);
+  else prefetch_stream(reinterpret_cast<const char*>(p));
 }
 
 // out[i * ldo + j * os] (float) for rows i < MR of x and the tile's weight rows j < NR, which start
@@ -849,7 +863,7 @@ __attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
   for (int64_t k = 0; k < K; k += 8) {
     const int8_t* p = blk + k * kQB;
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), kStreamHint);
+    if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));
     __m256i xv[MR];
     for (int i = 0; i < MR; ++i)
       xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));
@@ -889,7 +903,7 @@ __attribute__((target("avx2,fma,f16c"))) void q16_half(const int16_t* x, int64_t
   }
   for (int64_t k = 0; k < K; k += 8) {
     const int8_t* p = blk + k * kQB + 32 * h;
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), kStreamHint);
+    if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
     Q16_ROW(0) Q16_ROW(1) Q16_ROW(2) Q16_ROW(3) Q16_ROW(4) Q16_ROW(5)
@@ -989,7 +1003,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c"))) inline __m256
             a80 = a00, a81 = a00; /* rows past MR stay zero, unused */                                           \
     for (int64_t k = 0; k < K; k += 8) {                                                                         \
       const int8_t* p = blk + k * kQB;                                                                           \
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kQB), kStreamHint);                          \
+      if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));                          \
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));           \
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));      \
       Q16_ROW512(0, Q16_ACC) Q16_ROW512(1, Q16_ACC) Q16_ROW512(2, Q16_ACC) Q16_ROW512(3, Q16_ACC)                \
@@ -1827,11 +1841,11 @@ constexpr int64_t kOwnValuePass = 9;  // AVX-512: 2..this many queries in groups
 constexpr int64_t kValueChunk = 64;  // value rows per chunk (softmax_values_chunked_avx2)
 
 // Prefetch value row `row` (64 elements) kAttnPrefetch bytes ahead: float32 rows (the target's,
-// read once a step) non-temporal (kStreamHint), a draft's bfloat16 ones to L1.
+// read once a step) as the weight streams (prefetch_stream), a draft's bfloat16 ones to L1.
 template <typename T>
 inline void prefetch_value_row(const T* row) {
   for (int l = 0; l < 64 * int(sizeof(T)); l += 64) {
-    if (sizeof(T) == 4) _mm_prefetch(reinterpret_cast<const char*>(row) + kAttnPrefetch + l, kStreamHint);
+    if (sizeof(T) == 4) prefetch_stream(reinterpret_cast<const char*>(row) + kAttnPrefetch + l);
     else _mm_prefetch(reinterpret_cast<const char*>(row) + kAttnPrefetch + l, _MM_HINT_T0);
   }
 }
@@ -3358,6 +3372,13 @@ int64_t set_vector_level(int64_t level) {
   return before;
 }
 
+// Prefetch the weight streams to L2 (true) or non-temporally (false) -> the previous choice.
+bool set_stream_l2(bool enabled) {
+  const bool before = g_stream_l2;
+  g_stream_l2 = enabled;
+  return before;
+}
+
 // Use (or not) AVX512-VNNI where the CPU has it -> whether it was allowed before.
 bool set_vnni(bool enabled) {
   const bool before = g_vnni;
@@ -3406,6 +3427,7 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("half_exact(Tensor src, Tensor(a!) dst) -> bool");
   m.def("quantize_head(Tensor weight, Tensor(a!) packed, Tensor(b!) scale, Tensor(c!) bound, float coef, float gamma) -> ()");
   m.def("set_vector_level(int level) -> int");
+  m.def("set_stream_l2(bool enabled) -> bool");
   m.def("set_vnni(bool enabled) -> bool");
   m.def("set_lean_step(bool enabled) -> bool");
   m.def("lean_step_calls() -> int");
@@ -3462,6 +3484,7 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CPU, m) {
 
 TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads", &parallel_threads);
   m.impl("set_vector_level", &set_vector_level);
+  m.impl("set_stream_l2", &set_stream_l2);
   m.impl("set_vnni", &set_vnni);
   m.impl("set_lean_step", &set_lean_step);
   m.impl("lean_step_calls", &lean_step_calls);

@@ -549,6 +549,41 @@ def test_lean_step_gives_the_general_paths_bits(head64, form):
                 assert ran_general == 0 and (ran == 2) == (form != "compact") and ran in (0, 2), (form, ran)
 
 
+def test_weight_stream_prefetch_choice_keeps_the_bits(head64):
+    """Prefetching the weight streams to L2 (Intel's default) or non-temporally (elsewhere) reads the
+    same weights: a step's hidden states and caches (float16-valued and int8 projections, 1, 5 and
+    20 rows) and the screened head's tokens are the same bits at every vector level; the default
+    follows the CPU's vendor, and the choice is restored after the block."""
+    from specwhisper.model.head import ScreenedHead
+
+    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    assert cpu_ops.stream_prefetch_l2() == (vendor == "GenuineIntel")
+    gen = torch.Generator().manual_seed(3)
+    head = ScreenedHead(torch.randn(5000, 64, generator=gen))
+    hidden = torch.randn(9, 64, generator=gen) * 3
+    for form in ("half", "int8"):
+        model, features, gen = decoder_in_form(head64, form)
+        dec = model.model.decoder
+        prompt = torch.randint(0, 50000, (2, 6), generator=gen)
+        for level in range(cpu_ops._ops().vector_level() + 1):
+            with cpu_ops.vector_level(level):
+                for T in (1, 5, 20):
+                    tokens = torch.randint(0, 50000, (2, T), generator=gen)
+                    pos = torch.arange(6, 6 + T).expand(2, T)
+                    out = []
+                    for l2 in (True, False):
+                        with cpu_ops.stream_prefetch(l2):
+                            assert cpu_ops.stream_prefetch_l2() == l2
+                            cache = fresh_cache(model, features, torch.float32)
+                            dec.hidden(prompt, torch.arange(6).expand(2, 6), cache)
+                            out.append((dec.hidden(tokens, pos, cache, kv_len=6 + T), cache,
+                                        head.argmax(hidden[:min(T, 9)])))
+                    (a, ca, ta), (b, cb, tb) = out
+                    assert torch.equal(a, b) and torch.equal(ta, tb), (form, level, T)
+                    assert all(torch.equal(x, y) for x, y in zip(ca.buffers(), cb.buffers())), (form, level, T)
+    assert cpu_ops.stream_prefetch_l2() == (vendor == "GenuineIntel")
+
+
 def decoder_in_form(folder, form: str):
     """decoder_setup (float32, 2 rows) with the decoder's projections in `form`: float32, half
     (float16 values), compact (bfloat16) or int8."""

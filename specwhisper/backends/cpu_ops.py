@@ -378,6 +378,28 @@ def without_vnni():
         _ops().set_vnni(before)
 
 
+@contextlib.contextmanager
+def stream_prefetch(l2: bool):
+    """Inside this block the decode ops prefetch their weight streams to L2 (True: prefetcht1, the
+    default on Intel CPUs) or non-temporally (False: prefetchnta, the default elsewhere): the same
+    bits either way; benchmarks compare the two."""
+    before = _ops().set_stream_l2(l2)
+    try:
+        yield
+    finally:
+        _ops().set_stream_l2(before)
+
+
+def stream_prefetch_l2() -> bool:
+    """Whether the decode ops prefetch their weight streams to L2 (Intel) or non-temporally (AMD)."""
+    ops = _ops()
+    if ops is None:
+        return False
+    before = ops.set_stream_l2(False)
+    ops.set_stream_l2(before)
+    return bool(before)
+
+
 def half_exact(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """dst (float16) = contiguous float32 `src` rounded to float16 -> whether every value widens
     back exactly (one pass in C++ where the ops are built)."""
