@@ -1,7 +1,7 @@
-// The encoder's self-attention on AVX2 CPUs: softmax(q kᵀ) v over all T positions of every head
-// (or within runs of `block` positions: a draft's block-local layers), read straight from the
-// fused q/k/v projection's output (q pre-scaled) and written in the [T, heads · head_dim] layout
-// the out projection reads.
+// The encoder's self-attention on the CPU (AVX2 and AVX-512 tiles): softmax(q kᵀ) v over all T
+// positions of every head (or within runs of `block` positions: a draft's block-local layers),
+// read straight from the fused q/k/v projection's output (q pre-scaled) and written in the
+// [T, heads · head_dim] layout the out projection reads.
 //
 // Spec: `encoder_attention_reference` in specwhisper/backends/cpu_ops.py (the same product in
 // float64 and torch's scaled_dot_product_attention). Included by decode_ops.cpp inside its
@@ -17,6 +17,11 @@
 //   Oᵀ [head_dim, 32]      = Vᵀ · Pᵀ  (A = values packed 6 channels at a time, B = Pᵀ in place)
 // Working on Sᵀ puts the queries in the vector lanes: the softmax's max, exp and sum run down the
 // keys with whole vectors, and Pᵀ is already the second product's B operand.
+//
+// With full-width AVX-512 (an Intel Xeon) the tiles are 6 × 32 (two zmm a row: one broadcast serves
+// an item's 32 queries) and the softmax runs on 16 lanes; on an AMD Zen 4, whose AVX-512 runs on
+// 256-bit units, the AVX2 tiles stay. Both compute each element with the same operations in the
+// same order: the same bits at either level.
 //
 // Determinism: each output element is computed by one thread in a fixed order (keys in order
 // within blocks of kEncKC, blocks in order), whatever the thread count or the other queries.
@@ -112,6 +117,35 @@ __attribute__((target("avx2,fma,f16c"))) inline void enc_transpose8(const float*
   for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + k * ldd, r[k]);
 }
 
+// Qᵀ [Dh][32] from queries q [nq][Dh] (row stride ldq), queries past nq zero.
+__attribute__((target("avx2,fma,f16c"))) inline void enc_pack_queries(const float* q, int64_t ldq, int64_t nq,
+                                                                      int64_t Dh, float* qp) {
+  if (nq == kEncQ && Dh % 8 == 0) {  // by 8 × 8 blocks
+    for (int64_t i = 0; i < kEncQ; i += 8)
+      for (int64_t d = 0; d < Dh; d += 8) enc_transpose8(q + i * ldq + d, ldq, qp + d * kEncQ + i, kEncQ);
+    return;
+  }
+  for (int64_t d = 0; d < Dh; ++d)
+    for (int64_t i = 0; i < kEncQ; ++i) qp[d * kEncQ + i] = i < nq ? q[i * ldq + d] : 0.0f;
+}
+
+// out [nq][Dh] (row stride ldo) = Oᵀ [Dh][32] transposed back to rows, row i scaled by inv[i].
+__attribute__((target("avx2,fma,f16c"))) inline void enc_unpack_output(const float* o, int64_t nq, int64_t Dh,
+                                                                       const float* inv, float* out, int64_t ldo) {
+  if (nq == kEncQ && Dh % 8 == 0) {  // by 8 × 8 blocks
+    for (int64_t j = 0; j < Dh; j += 8)
+      for (int64_t i = 0; i < kEncQ; i += 8) {
+        __m256 r[8];
+        enc_transpose8_regs(o + j * kEncQ + i, kEncQ, r);
+        for (int64_t a = 0; a < 8; ++a)
+          _mm256_storeu_ps(out + (i + a) * ldo + j, _mm256_mul_ps(r[a], _mm256_set1_ps(inv[i + a])));
+      }
+    return;
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < Dh; ++j) out[i * ldo + j] = o[j * kEncQ + i] * inv[i];
+}
+
 // One work item: queries q0 .. q0 + nq (nq <= 32) of head h. kp: the head's keys packed
 // ([Tr / 6][Dh][6]); vp: its values transposed and packed ([ceil(Dh / 6)][Tr][6]).
 __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q, int64_t ldq, int64_t nq, int64_t T,
@@ -119,13 +153,7 @@ __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q,
                                                                  float* out, int64_t ldo, float* qp, float* s,
                                                                  float* o) {
   const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
-  if (nq == kEncQ && Dh % 8 == 0) {  // Qᵀ [Dh][32] by 8 × 8 blocks
-    for (int64_t i = 0; i < kEncQ; i += 8)
-      for (int64_t d = 0; d < Dh; d += 8) enc_transpose8(q + i * ldq + d, ldq, qp + d * kEncQ + i, kEncQ);
-  } else {
-    for (int64_t d = 0; d < Dh; ++d)  // Qᵀ [Dh][32], queries past nq zero
-      for (int64_t i = 0; i < kEncQ; ++i) qp[d * kEncQ + i] = i < nq ? q[i * ldq + d] : 0.0f;
-  }
+  enc_pack_queries(q, ldq, nq, Dh, qp);
   // Sᵀ [Tr][32], and each query's largest score as its rows are made (still in L1)
   __m256 best0 = _mm256_set1_ps(-INFINITY), best1 = best0, best2 = best0, best3 = best0;
   for (int64_t g = 0; g < Tr; g += kEncMR) {
@@ -166,19 +194,97 @@ __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q,
   const __m256 one = _mm256_set1_ps(1.0f);
   _mm256_storeu_ps(inv, _mm256_div_ps(one, total0)), _mm256_storeu_ps(inv + 8, _mm256_div_ps(one, total1));
   _mm256_storeu_ps(inv + 16, _mm256_div_ps(one, total2)), _mm256_storeu_ps(inv + 24, _mm256_div_ps(one, total3));
-  if (nq == kEncQ && Dh % 8 == 0) {  // Oᵀ back to rows by 8 × 8 blocks, row i scaled
-    for (int64_t j = 0; j < Dh; j += 8)
-      for (int64_t i = 0; i < kEncQ; i += 8) {
-        __m256 r[8];
-        enc_transpose8_regs(o + j * kEncQ + i, kEncQ, r);
-        for (int64_t a = 0; a < 8; ++a)
-          _mm256_storeu_ps(out + (i + a) * ldo + j, _mm256_mul_ps(r[a], _mm256_set1_ps(inv[i + a])));
-      }
-    return;
-  }
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t j = 0; j < Dh; ++j) out[i * ldo + j] = o[j * kEncQ + i] * inv[i];
+  enc_unpack_output(o, nq, Dh, inv, out, ldo);
 }
+
+// The AVX-512 form of enc_tile (a CPU whose AVX-512 runs at full width): c[R × 32] over both
+// 16-lane halves of the item's queries at once, so each key's (or value channel's) broadcast serves
+// 32 queries. Each element is the same FMAs in the same order as enc_tile's: the same bits.
+template <int R>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline void enc_tile512(const float* a, const float* b,
+                                                                                 int64_t ldb, int64_t kc, float* c,
+                                                                                 int64_t ldc, bool first) {
+  static_assert(R == 6 || R == 4, "enc_tile512: 6 or 4 rows");
+#define ENC_ROWS(X) X(0) X(1) X(2) X(3) if constexpr (R == 6) { X(4) X(5) }
+#define ENC_INIT(r)                                                                        \
+  __m512 c##r##0 = first || r >= R ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc); \
+  __m512 c##r##1 = first || r >= R ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16);
+#define ENC_FMA(r)                                    \
+  {                                                   \
+    const __m512 ar = _mm512_set1_ps(a[r]);           \
+    c##r##0 = _mm512_fmadd_ps(ar, b0, c##r##0);       \
+    c##r##1 = _mm512_fmadd_ps(ar, b1, c##r##1);       \
+  }
+#define ENC_STORE(r)                           \
+  _mm512_storeu_ps(c + r * ldc, c##r##0);      \
+  _mm512_storeu_ps(c + r * ldc + 16, c##r##1);
+  ENC_INIT(0) ENC_INIT(1) ENC_INIT(2) ENC_INIT(3) ENC_INIT(4) ENC_INIT(5)
+  for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    ENC_ROWS(ENC_FMA)
+  }
+  ENC_ROWS(ENC_STORE)
+#undef ENC_ROWS
+#undef ENC_INIT
+#undef ENC_FMA
+#undef ENC_STORE
+}
+
+// enc_exp on 16 lanes: the same operations, so the same bits a lane.
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 enc_exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC1), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC2), x);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kP0), x, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP5));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+}
+
+// enc_attention_item with 512-bit tiles and softmax (the same bits).
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void enc_attention_item512(
+    const float* q, int64_t ldq, int64_t nq, int64_t T, int64_t Dh, const float* kp, const float* vp, float* out,
+    int64_t ldo, float* qp, float* s, float* o) {
+  const int64_t Tr = (T + kEncMR - 1) / kEncMR * kEncMR, Jr = (Dh + kEncMR - 1) / kEncMR * kEncMR;
+  enc_pack_queries(q, ldq, nq, Dh, qp);
+  __m512 best0 = _mm512_set1_ps(-INFINITY), best1 = best0;
+  for (int64_t g = 0; g < Tr; g += kEncMR) {
+    float* sg = s + g * kEncQ;
+    enc_tile512<6>(kp + g * Dh, qp, kEncQ, Dh, sg, kEncQ, true);
+    for (int64_t r = 0; r < std::min(kEncMR, T - g); ++r, sg += kEncQ) {
+      best0 = _mm512_max_ps(best0, _mm512_loadu_ps(sg));
+      best1 = _mm512_max_ps(best1, _mm512_loadu_ps(sg + 16));
+    }
+  }
+  __m512 total0 = _mm512_setzero_ps(), total1 = total0;
+  for (int64_t t = 0; t < T; ++t) {
+    float* st = s + t * kEncQ;
+    const __m512 e0 = enc_exp512(_mm512_sub_ps(_mm512_loadu_ps(st), best0));
+    const __m512 e1 = enc_exp512(_mm512_sub_ps(_mm512_loadu_ps(st + 16), best1));
+    _mm512_storeu_ps(st, e0), _mm512_storeu_ps(st + 16, e1);
+    total0 = _mm512_add_ps(total0, e0), total1 = _mm512_add_ps(total1, e1);
+  }
+  std::fill(s + T * kEncQ, s + Tr * kEncQ, 0.0f);
+  for (int64_t t0 = 0; t0 < Tr; t0 += kEncKC) {
+    const int64_t kc = std::min(kEncKC, Tr - t0);
+    for (int64_t g = 0; g < Jr; g += kEncMR)
+      if (Dh - g == 4)
+        enc_tile512<4>(vp + g * Tr + t0 * kEncMR, s + t0 * kEncQ, kEncQ, kc, o + g * kEncQ, kEncQ, t0 == 0);
+      else
+        enc_tile512<6>(vp + g * Tr + t0 * kEncMR, s + t0 * kEncQ, kEncQ, kc, o + g * kEncQ, kEncQ, t0 == 0);
+  }
+  float inv[kEncQ];
+  const __m512 one = _mm512_set1_ps(1.0f);
+  _mm512_storeu_ps(inv, _mm512_div_ps(one, total0)), _mm512_storeu_ps(inv + 16, _mm512_div_ps(one, total1));
+  enc_unpack_output(o, nq, Dh, inv, out, ldo);
+}
+
+bool avx512_half_width();
 
 // qkv [T, 3 · H · Dh] (row stride free, q pre-scaled) -> [T, H · Dh]. block > 0: each position
 // attends only to the positions of its own run of `block` (T a multiple of it; a draft's
@@ -225,14 +331,19 @@ at::Tensor encoder_attention(const at::Tensor& qkv, int64_t heads, int64_t block
   });
   const int64_t blocks = (L + kEncQ - 1) / kEncQ;  // query items a run
   float* o = out.data_ptr<float>();
+  static const bool half_width = avx512_half_width();  // 512-bit code at AVX2's rate: keep the AVX2 tiles
+  const auto item = vector_level() >= 2 && !half_width ? enc_attention_item512 : enc_attention_item;
   parallel_for(0, runs * heads * blocks, 1, [&](int64_t b, int64_t e) {
+    // rows of 32 floats from a 64-byte boundary: a 512-bit load or store across two cache lines
+    // costs two (the AVX-512 tiles ran at 38% of the FMA peak on malloc's 16-byte alignment)
     thread_local std::vector<float> work;
-    work.resize(std::max(work.size(), static_cast<size_t>(Dh * kEncQ + Tr * kEncQ + Jr * kEncQ)));
-    float *qp = work.data(), *s = qp + Dh * kEncQ, *ot = s + Tr * kEncQ;
+    work.resize(std::max(work.size(), static_cast<size_t>(Dh * kEncQ + Tr * kEncQ + Jr * kEncQ + 16)));
+    float* qp = work.data() + (16 - reinterpret_cast<uintptr_t>(work.data()) / sizeof(float) % 16) % 16;
+    float *s = qp + Dh * kEncQ, *ot = s + Tr * kEncQ;
     for (int64_t i = b; i < e; ++i) {
       const int64_t rh = i / blocks, t0 = rh / heads * L, h = rh % heads, q0 = t0 + (i % blocks) * kEncQ;
       const float* kp = pk + rh * head_pack;
-      enc_attention_item(base + q0 * ld + h * Dh, ld, std::min(kEncQ, t0 + L - q0), L, Dh, kp, kp + Tr * Dh,
+      item(base + q0 * ld + h * Dh, ld, std::min(kEncQ, t0 + L - q0), L, Dh, kp, kp + Tr * Dh,
                          o + q0 * d + h * Dh, d, qp, s, ot);
     }
   });

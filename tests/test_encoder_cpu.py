@@ -447,6 +447,28 @@ def test_encoder_attention_within_blocks_is_each_block_alone(T, block, heads, he
             cpu_ops.encoder_attention(qkv[:T - 1], heads, block)
 
 
+@needs_avx2
+@pytest.mark.parametrize("T,heads,head_dim,block", [(1, 1, 64, 0), (7, 3, 20, 0), (33, 2, 16, 0), (45, 2, 40, 0),
+                                                    (40, 3, 12, 0), (257, 4, 64, 0), (1500, 8, 64, 0),
+                                                    (750, 6, 64, 75), (66, 2, 16, 33)])
+def test_encoder_attention_avx512_tiles_give_the_avx2_bits(T, heads, head_dim, block):
+    """With full-width AVX-512 the kernel's 6 × 32 tiles and 16-lane softmax compute every element
+    with the AVX2 tiles' operations in their order: the same bits at both levels (tile edges, head
+    dims with a last group of 4 or 2 channels, local blocks). Where the CPU lacks full-width AVX-512
+    both levels run the AVX2 tiles and this only checks the level switch."""
+    from specwhisper.backends import cpu_ops
+
+    d = heads * head_dim
+    g = torch.Generator().manual_seed(T + heads + block)
+    qkv = (torch.randn(T, 3 * d + 3, generator=g) * 3)[:, 1:3 * d + 1]
+    with torch.no_grad():
+        with cpu_ops.vector_level(2):
+            wide = cpu_ops.encoder_attention(qkv, heads, block)
+        with cpu_ops.vector_level(1):
+            narrow = cpu_ops.encoder_attention(qkv, heads, block)
+    assert torch.equal(wide, narrow)
+
+
 def test_encoder_attention_names_bad_input():
     from specwhisper.backends import cpu_ops
 
@@ -493,10 +515,10 @@ def _cpuinfo() -> dict:
 
 @needs_avx2
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs /proc/cpuinfo (Linux)")
-def test_avx512_level_keeps_the_kernel_only_where_avx512_is_half_width():
-    """At the AVX-512 level the kernel runs exactly where 512-bit code runs on 256-bit units (an AMD
-    Zen 4: vendor AuthenticAMD, family 25, AVX-512), read here from /proc/cpuinfo independently of
-    the ops' cpuid check; held to AVX2 it always runs, at the scalar level never."""
+def test_the_kernel_runs_at_every_vector_level_but_scalar():
+    """The kernel runs at the AVX-512 level (its AVX2 tiles where 512-bit code runs on 256-bit units,
+    an AMD Zen 4: vendor AuthenticAMD, family 25, AVX-512, read here from /proc/cpuinfo independently
+    of the ops' cpuid check) and at AVX2, never at the scalar level."""
     from specwhisper.backends import cpu_ops
 
     info = _cpuinfo()
@@ -506,7 +528,7 @@ def test_avx512_level_keeps_the_kernel_only_where_avx512_is_half_width():
     with torch.no_grad():
         assert bool(cpu_ops._ops().avx512_half_width()) == zen4
         with cpu_ops.vector_level(2):
-            assert cpu_ops.encoder_attention_usable(x) == (zen4 or cpu_ops._ops().vector_level() == 1)
+            assert cpu_ops.encoder_attention_usable(x)
         with cpu_ops.vector_level(1):
             assert cpu_ops.encoder_attention_usable(x)
         with cpu_ops.vector_level(0):

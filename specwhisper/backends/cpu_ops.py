@@ -221,20 +221,11 @@ def encoder_attention_reference(qkv: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def encoder_attention_usable(x: torch.Tensor) -> bool:
-    """Whether `encoder_attention` runs its C++ kernel (AVX2 code) for tensors like `x`: at the
-    AVX2 level, and at the AVX-512 level where 512-bit code runs on 256-bit units (AMD Zen 4), so
-    torch's AVX-512 flash kernel gains no width (base's encoder there, 2 threads, alternated in one
-    process: 0.535 s a window with the flash kernel, 0.462 s with this one, paired median 1.15).
-    On a CPU with full-width AVX-512 (an Intel Xeon) torch's flash kernel has twice the width."""
-    if not active(x):
-        return False
-    level = _ops().vector_level()
-    return level == 1 or (level == 2 and _half_width())
-
-
-@functools.cache
-def _half_width() -> bool:
-    return bool(_ops().avx512_half_width())
+    """Whether `encoder_attention` runs its C++ kernel for tensors like `x`: at the AVX2 and AVX-512
+    levels (csrc/encoder_ops.h: 512-bit tiles with full-width AVX-512, its AVX2 tiles on an AMD Zen 4,
+    whose AVX-512 runs on 256-bit units; there, base's encoder on 2 threads, alternated in one
+    process, took 0.462 s a window against 0.535 s with torch's flash kernel, paired median 1.15)."""
+    return active(x) and _ops().vector_level() >= 1
 
 
 def encoder_attention(qkv: torch.Tensor, heads: int, block: int | None = None) -> torch.Tensor:

@@ -13,19 +13,21 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
 - q, k and v come from one fused product, q's 1/sqrt(head_dim) folded into its weights (exact:
   a power of two for every Whisper model, head_dim 64; an encoder whose scale is not takes the
   reference forward);
-- attention, on an AVX2 CPU and an AMD Zen 4, is specwhisper's own kernel (`cpu_ops.encoder_attention`,
-  csrc/encoder_ops.h): it reads q/k/v straight from the fused projection's output and writes the
-  [T, d] rows the out projection reads; a plain softmax over each query's full row of scores
+- attention is specwhisper's own kernel (`cpu_ops.encoder_attention`, csrc/encoder_ops.h) at the
+  AVX2 and AVX-512 levels: it reads q/k/v straight from the fused projection's output and writes
+  the [T, d] rows the out projection reads; a plain softmax over each query's full row of scores
   (1500 keys fit in L2) on one register tile for both products. Whisper-base, two Zen 3 cores:
   45.1 against 48.6 ms a layer for torch's flash kernel, the whole encoder ≈ 3–6% faster (paired
   medians 1.028–1.063 over 30 alternated windows; README); two Zen 4 cores, whose AVX-512 runs on
-  256-bit units, 0.462 against 0.535 s for the whole encoder (paired median 1.15); a draft's
-  block-local layers (`Whisper.local_encoder`) run it on each run of positions (tiny.en's draft: 750
-  pooled positions in runs of 75, 6 heads, two Zen 4 cores: 0.79 against 1.46 ms a layer for the
-  flash kernel and its copies). With full-width AVX-512 (an Intel Xeon: twice the kernel's vector
-  width, it is AVX2 code) it is PyTorch's flash kernel on head-major copies of
-  q/k/v (≈ 8% faster than on strided views, the copy included), whose output ([T, H, Dh] in
-  memory) feeds the out projection without a copy;
+  256-bit units (the kernel's AVX2 tiles), 0.462 against 0.535 s for the whole encoder (paired
+  median 1.15); with full-width AVX-512 (an Intel Xeon, 6 × 32 tiles of 512-bit registers, the
+  same bits) a layer 1.27× faster than the flash kernel, paired over 30 alternations (29.8 against
+  38.2 ms), the whole encoder paired 1.065×; a draft's block-local layers (`Whisper.local_encoder`)
+  run it on each run of positions (tiny.en's draft: 750 pooled positions in runs of 75, 6 heads,
+  two Zen 4 cores: 0.79 against 1.46 ms a layer for the flash kernel and its copies). Scalar (no
+  AVX2) it is PyTorch's flash kernel on head-major copies of q/k/v (≈ 8% faster than on strided
+  views, the copy included), whose output ([T, H, Dh] in memory) feeds the out projection without
+  a copy;
 - the two convolutions are inner products over time-major columns: the weights reordered
   kernel-major ([O, 3·C]), the columns of output t are input frames s·t − 1, s·t, s·t + 1 side by
   side, so they are an overlapping strided view of the zero-padded [T + 2, C] input (`im2col`) and
