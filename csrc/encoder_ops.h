@@ -31,39 +31,47 @@ constexpr int64_t kEncNR = 16;   // tile columns (queries): two ymm vectors
 constexpr int64_t kEncQ = 32;    // queries per work item: two tiles share each A micro-panel (4 vectors)
 constexpr int64_t kEncKC = 256;  // keys per block of the value product (64 to 512 measured alike)
 
-// c[R × 16] (row stride ldc) = (first ? 0 : c) + Σ_k a[6k + r] · b[k · ldb + j]: FMAs over k in
-// order, one accumulator per (row, 8 columns); R = 6, or 4 for a last group of 4 rows (the
+// c[R × 2W] (row stride ldc) = (first ? 0 : c) + Σ_k a[6k + r] · b[k · ldb + j]: FMAs over k in
+// order, one accumulator per (row, W columns); R = 6, or 4 for a last group of 4 rows (the
 // values' 64 channels: 10 groups of 6 and one of 4, whose 2 zero rows are skipped). The
 // accumulators are named, not an array: GCC kept an array's elements on the stack, storing ten of
-// them every step (a third of the FMA rate).
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) inline void enc_tile(const float* a, const float* b, int64_t ldb, int64_t kc,
-                                                              float* c, int64_t ldc, bool first) {
-  static_assert(R == 6 || R == 4, "enc_tile: 6 or 4 rows");
-#define ENC_ROWS(X) X(0) X(1) X(2) X(3) if constexpr (R == 6) { X(4) X(5) }
-#define ENC_INIT(r) /* rows past R stay zero, unread and unused */                         \
-  __m256 c##r##0 = first || r >= R ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc); \
-  __m256 c##r##1 = first || r >= R ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
-#define ENC_FMA(r)                                       \
-  {                                                      \
-    const __m256 ar = _mm256_broadcast_ss(a + r);        \
-    c##r##0 = _mm256_fmadd_ps(ar, b0, c##r##0);          \
-    c##r##1 = _mm256_fmadd_ps(ar, b1, c##r##1);          \
+// them every step (a third of the FMA rate). ENC_TILE(NAME, TARGET, P, W) defines NAME<R> for
+// vectors of W floats with intrinsics P##_... (_mm256: AVX2, 6 × 16; _mm512: AVX-512, 6 × 32): one
+// body for both, so each element is the same FMAs in the same order at either width.
+#define ENC_INIT(P, W, r) /* rows past R stay zero, unread and unused */            \
+  auto c##r##0 = first || r >= R ? P##_setzero_ps() : P##_loadu_ps(c + r * ldc);   \
+  auto c##r##1 = first || r >= R ? P##_setzero_ps() : P##_loadu_ps(c + r * ldc + W);
+#define ENC_FMA(P, r)                        \
+  {                                          \
+    const auto ar = P##_set1_ps(a[r]);       \
+    c##r##0 = P##_fmadd_ps(ar, b0, c##r##0); \
+    c##r##1 = P##_fmadd_ps(ar, b1, c##r##1); \
   }
-#define ENC_STORE(r)                           \
-  _mm256_storeu_ps(c + r * ldc, c##r##0);      \
-  _mm256_storeu_ps(c + r * ldc + 8, c##r##1);
-  ENC_INIT(0) ENC_INIT(1) ENC_INIT(2) ENC_INIT(3) ENC_INIT(4) ENC_INIT(5)
-  for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-    ENC_ROWS(ENC_FMA)
+#define ENC_STORE(P, W, r)             \
+  P##_storeu_ps(c + r * ldc, c##r##0); \
+  P##_storeu_ps(c + r * ldc + W, c##r##1);
+#define ENC_TILE(NAME, TARGET, P, W)                                                                         \
+  template <int R>                                                                                           \
+  __attribute__((target(TARGET))) inline void NAME(const float* a, const float* b, int64_t ldb, int64_t kc, \
+                                                   float* c, int64_t ldc, bool first) {                      \
+    static_assert(R == 6 || R == 4, #NAME ": 6 or 4 rows");                                                 \
+    ENC_INIT(P, W, 0) ENC_INIT(P, W, 1) ENC_INIT(P, W, 2) ENC_INIT(P, W, 3) ENC_INIT(P, W, 4) ENC_INIT(P, W, 5) \
+    for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {                                                \
+      const auto b0 = P##_loadu_ps(b), b1 = P##_loadu_ps(b + W);                                           \
+      ENC_FMA(P, 0) ENC_FMA(P, 1) ENC_FMA(P, 2) ENC_FMA(P, 3)                                                \
+      if constexpr (R == 6) { ENC_FMA(P, 4) ENC_FMA(P, 5) }                                                  \
+    }                                                                                                        \
+    ENC_STORE(P, W, 0) ENC_STORE(P, W, 1) ENC_STORE(P, W, 2) ENC_STORE(P, W, 3)                              \
+    if constexpr (R == 6) { ENC_STORE(P, W, 4) ENC_STORE(P, W, 5) }                                          \
   }
-  ENC_ROWS(ENC_STORE)
-#undef ENC_ROWS
+ENC_TILE(enc_tile, "avx2,fma,f16c", _mm256, 8)
+// The AVX-512 form (a CPU whose AVX-512 runs at full width): c[R × 32] over both 16-lane halves of
+// an item's queries at once, so each key's (or value channel's) broadcast serves 32 queries.
+ENC_TILE(enc_tile512, "avx512f,avx512dq,avx2,fma,f16c", _mm512, 16)
+#undef ENC_TILE
 #undef ENC_INIT
 #undef ENC_FMA
 #undef ENC_STORE
-}
 
 // src [rows, cols] (row stride ld) -> [ceil(rows / 6)][cols][6]: element (i, j) at
 // [i / 6][j][i % 6]; rows past `rows` are zero. The A operand layout of enc_tile. Written in
@@ -88,20 +96,25 @@ inline void enc_pack_rows(const float* src, int64_t ld, int64_t rows, int64_t co
 // with fused multiply-adds: 16 vector operations instead of 27 (one thread's softmax over base's
 // heads, 13 -> 9 ms of a ≈ 90 ms pass). Its rounding differs from exp_avx2's; there is no scalar
 // twin to match, as this kernel has no scalar path (callers check the vector level).
-__attribute__((target("avx2,fma,f16c"))) inline __m256 enc_exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpLo));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC1), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC2), x);
-  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(kP0), x, _mm256_set1_ps(kP1));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP2));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP3));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP4));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP5));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
-}
+// ENC_EXP(NAME, TARGET, V, P, ROUND, CAST): the one body at both widths (the same bits a lane).
+#define ENC_EXP(NAME, TARGET, V, P, ROUND, CAST)                                                    \
+  __attribute__((target(TARGET))) inline V NAME(V x) {                                            \
+    x = P##_max_ps(x, P##_set1_ps(kExpLo));                                                         \
+    const V fx = ROUND(P##_mul_ps(x, P##_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+    x = P##_fnmadd_ps(fx, P##_set1_ps(kC1), x);                                                     \
+    x = P##_fnmadd_ps(fx, P##_set1_ps(kC2), x);                                                     \
+    V y = P##_fmadd_ps(P##_set1_ps(kP0), x, P##_set1_ps(kP1));                                      \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(kP2));                                                       \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(kP3));                                                       \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(kP4));                                                       \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(kP5));                                                       \
+    y = P##_add_ps(P##_fmadd_ps(y, P##_mul_ps(x, x), x), P##_set1_ps(1.0f));                        \
+    const auto e = P##_add_epi32(P##_cvtps_epi32(fx), P##_set1_epi32(127));                         \
+    return P##_mul_ps(y, CAST(P##_slli_epi32(e, 23)));                                              \
+  }
+ENC_EXP(enc_exp, "avx2,fma,f16c", __m256, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
+ENC_EXP(enc_exp512, "avx512f,avx512dq,avx2,fma,f16c", __m512, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+#undef ENC_EXP
 
 // r[a][b] = src[b · ld + a]: an 8 × 8 block of floats transposed into registers (decode_ops.cpp's
 // transpose8x8, which the decode attention's key packing uses too).
@@ -195,55 +208,6 @@ __attribute__((target("avx2,fma,f16c"))) void enc_attention_item(const float* q,
   _mm256_storeu_ps(inv, _mm256_div_ps(one, total0)), _mm256_storeu_ps(inv + 8, _mm256_div_ps(one, total1));
   _mm256_storeu_ps(inv + 16, _mm256_div_ps(one, total2)), _mm256_storeu_ps(inv + 24, _mm256_div_ps(one, total3));
   enc_unpack_output(o, nq, Dh, inv, out, ldo);
-}
-
-// The AVX-512 form of enc_tile (a CPU whose AVX-512 runs at full width): c[R × 32] over both
-// 16-lane halves of the item's queries at once, so each key's (or value channel's) broadcast serves
-// 32 queries. Each element is the same FMAs in the same order as enc_tile's: the same bits.
-template <int R>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline void enc_tile512(const float* a, const float* b,
-                                                                                 int64_t ldb, int64_t kc, float* c,
-                                                                                 int64_t ldc, bool first) {
-  static_assert(R == 6 || R == 4, "enc_tile512: 6 or 4 rows");
-#define ENC_ROWS(X) X(0) X(1) X(2) X(3) if constexpr (R == 6) { X(4) X(5) }
-#define ENC_INIT(r)                                                                        \
-  __m512 c##r##0 = first || r >= R ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc); \
-  __m512 c##r##1 = first || r >= R ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16);
-#define ENC_FMA(r)                                    \
-  {                                                   \
-    const __m512 ar = _mm512_set1_ps(a[r]);           \
-    c##r##0 = _mm512_fmadd_ps(ar, b0, c##r##0);       \
-    c##r##1 = _mm512_fmadd_ps(ar, b1, c##r##1);       \
-  }
-#define ENC_STORE(r)                           \
-  _mm512_storeu_ps(c + r * ldc, c##r##0);      \
-  _mm512_storeu_ps(c + r * ldc + 16, c##r##1);
-  ENC_INIT(0) ENC_INIT(1) ENC_INIT(2) ENC_INIT(3) ENC_INIT(4) ENC_INIT(5)
-  for (int64_t k = 0; k < kc; ++k, a += kEncMR, b += ldb) {
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-    ENC_ROWS(ENC_FMA)
-  }
-  ENC_ROWS(ENC_STORE)
-#undef ENC_ROWS
-#undef ENC_INIT
-#undef ENC_FMA
-#undef ENC_STORE
-}
-
-// enc_exp on 16 lanes: the same operations, so the same bits a lane.
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 enc_exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC1), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC2), x);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kP0), x, _mm512_set1_ps(kP1));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP2));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP3));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP4));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP5));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
 }
 
 // enc_attention_item with 512-bit tiles and softmax (the same bits).
