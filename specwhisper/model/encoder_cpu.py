@@ -22,12 +22,12 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   256-bit units (the kernel's AVX2 tiles), 0.462 against 0.535 s for the whole encoder (paired
   median 1.15); with full-width AVX-512 (an Intel Xeon, 6 × 32 tiles of 512-bit registers, the
   same bits) a layer 1.27× faster than the flash kernel, paired over 30 alternations (29.8 against
-  38.2 ms), the whole encoder paired 1.065×; a draft's block-local layers (`Whisper.local_encoder`)
-  run it on each run of positions (tiny.en's draft: 750 pooled positions in runs of 75, 6 heads,
-  two Zen 4 cores: 0.79 against 1.46 ms a layer for the flash kernel and its copies). Scalar (no
-  AVX2) it is PyTorch's flash kernel on head-major copies of q/k/v (≈ 8% faster than on strided
-  views, the copy included), whose output ([T, H, Dh] in memory) feeds the out projection without
-  a copy;
+  38.2 ms), the whole encoder paired 1.006–1.065× in three runs; a draft's block-local layers
+  (`Whisper.local_encoder`) run it on each run of positions (tiny.en's draft: 750 pooled positions
+  in runs of 75, 6 heads, two Zen 4 cores: 0.79 against 1.46 ms a layer for the flash kernel and its
+  copies). Scalar (no AVX2) it is PyTorch's flash kernel on head-major copies of q/k/v (≈ 8%
+  faster than on strided views, the copy included), whose output ([T, H, Dh] in memory) feeds the
+  out projection without a copy;
 - the two convolutions are inner products over time-major columns: the weights reordered
   kernel-major ([O, 3·C]), the columns of output t are input frames s·t − 1, s·t, s·t + 1 side by
   side, so they are an overlapping strided view of the zero-padded [T + 2, C] input (`im2col`) and
