@@ -84,7 +84,7 @@ def measure(encoder, cfg, threads: int, repeats: int, build_dir: Path) -> dict:
     runs = {"fast": lambda: encoder(mel), "reference": lambda: encoder.reference(mel)}
     with torch.no_grad():
         own_attention = cpu_ops.encoder_attention_usable(mel)
-    if own_attention:  # AVX2: the fast path's own attention kernel, and without it
+    if own_attention:  # the fast path with its own attention kernel (AVX2, AVX-512), and with torch's flash kernel
         runs["fast, flash attention"] = flash_attention(lambda: encoder(mel))
     seconds = {name: [] for name in runs}
     cpu_seconds = {name: [] for name in runs}
