@@ -11,7 +11,9 @@ encoder is simply not run inside the timed region, for either system.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,6 +40,10 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu import cpu_model  # bench/cpu.py: the CPU's model and vector extensions
+
+    print(f"CPU: {cpu_model()}", flush=True)
     import ctranslate2
 
     base = fetch("base")

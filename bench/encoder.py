@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,6 +139,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--build-dir", type=Path, default=Path(".build"))
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu import cpu_model  # bench/cpu.py: the CPU's model and vector extensions
+
+    print(f"CPU: {cpu_model()}", flush=True)
     model = load_whisper(fetch(args.model))
     for threads in args.threads:
         print(line(measure(model.encoder, model.config, threads, args.repeats, args.build_dir)), flush=True)

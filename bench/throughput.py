@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
+    from cpu import cpu_model  # bench/cpu.py (bench/ is on the path): the CPU's model and vector extensions
+
+    print(f"CPU: {cpu_model()}", flush=True)
     torch.set_num_threads(args.threads)
     target = model_folder(args.target)
     audio = speech_windows(args.requests)
