@@ -241,10 +241,14 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     argmax of the logits for rows with temperature <= 0 (no noise). temperature [N] and top_p [N]
     are float32 (per row; top_p >= 1 keeps everything), seed [N] and position [N] int64,
     noise_ids [V] int64 or None for arange(V). Returns int64 [N]. No host sync."""
-    N, V = logits.shape
-    ids = torch.arange(V, device=logits.device) if noise_ids is None else noise_ids
-    scores = _probs64(logits, temperature, top_p) / exp_noise(seed, position, ids).double()
+    scores = _race_scores(logits, temperature, top_p, seed, position, noise_ids)
     return torch.where(temperature > 0, scores.argmax(-1), logits.argmax(-1))
+
+
+def _race_scores(logits, temperature, top_p, seed, position, noise_ids) -> torch.Tensor:
+    """The race's scores [N, V] float64: probs64 / exp_noise (noise_ids None: arange(V))."""
+    ids = torch.arange(logits.shape[1], device=logits.device) if noise_ids is None else noise_ids
+    return _probs64(logits, temperature, top_p) / exp_noise(seed, position, ids).double()
 
 
 def race_leads(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
@@ -261,9 +265,7 @@ def race_leads(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
     inf = torch.full((N,), float("inf"), device=logits.device)
     if V < 2:
         return inf
-    ids = torch.arange(V, device=logits.device) if noise_ids is None else noise_ids
-    scores = _probs64(logits, temperature, top_p) / exp_noise(seed, position, ids).double()
-    top = scores.topk(2, -1).values
+    top = _race_scores(logits, temperature, top_p, seed, position, noise_ids).topk(2, -1).values
     raced = torch.where(top[:, 1] > 0, (temperature.double() * (top[:, 0].log() - top[:, 1].log())).float(), inf)
     best = logits.float().topk(2, -1).values
     argmax = torch.where(best[:, 1] > -float("inf"), best[:, 0] - best[:, 1], inf)

@@ -556,7 +556,9 @@ def test_weight_stream_prefetch_choice_keeps_the_bits(head64):
     follows the CPU's vendor, and the choice is restored after the block."""
     from specwhisper.model.head import ScreenedHead
 
-    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    from test_encoder_cpu import _cpuinfo  # /proc/cpuinfo's first processor, read apart from the ops' cpuid
+
+    vendor = _cpuinfo().get("vendor_id")
     assert cpu_ops.stream_prefetch_l2() == (vendor == "GenuineIntel")
     gen = torch.Generator().manual_seed(3)
     head = ScreenedHead(torch.randn(5000, 64, generator=gen))
