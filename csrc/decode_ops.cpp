@@ -325,9 +325,10 @@ inline void prefetch_stream(const void* p) {
   else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA);
 }
 
-// prefetch_stream for a stream of W: a draft's bfloat16 cross keys keep T1 (reread every draft step).
+// prefetch_stream for a tile of W (a linear's weights, or keys read as one): a draft's bfloat16
+// cross keys keep T1 (reread every draft step).
 template <typename W>
-inline void stream_prefetch(const void* p) {
+inline void weight_prefetch(const void* p) {
   if (std::is_same<W, bf16>::value) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   else prefetch_stream(reinterpret_cast<const char*>(p));
 }
@@ -354,7 +355,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     if (PF && (k * sizeof(W)) % 64 == 0)
-      for (int j = 0; j < NR; ++j) stream_prefetch<W>(w + next + j * ws + k);
+      for (int j = 0; j < NR; ++j) weight_prefetch<W>(w + next + j * ws + k);
     if (row_outer) {
       __m256 wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ws + k);
@@ -490,7 +491,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const flo
   for (; k + 8 <= K; k += 8) {
     const __m512 w0 = pair8(w + k, w + ws + k), w1 = pair8(w + 2 * ws + k, w + 3 * ws + k);
     if (PF && (k * sizeof(W)) % 64 == 0)
-      for (int j = 0; j < kNR; ++j) stream_prefetch<W>(w + next + j * ws + k);
+      for (int j = 0; j < kNR; ++j) weight_prefetch<W>(w + next + j * ws + k);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
       acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
