@@ -449,12 +449,13 @@ def test_encoder_attention_within_blocks_is_each_block_alone(T, block, heads, he
 
 @needs_avx2
 @pytest.mark.parametrize("T,heads,head_dim,block", [(1, 1, 64, 0), (7, 3, 20, 0), (33, 2, 16, 0), (45, 2, 40, 0),
-                                                    (40, 3, 12, 0), (257, 4, 64, 0), (1500, 8, 64, 0),
+                                                    (40, 3, 12, 0), (128, 2, 64, 0), (257, 4, 64, 0), (1500, 8, 64, 0),
                                                     (750, 6, 64, 75), (66, 2, 16, 33)])
 def test_encoder_attention_avx512_tiles_give_the_avx2_bits(T, heads, head_dim, block):
-    """With full-width AVX-512 the kernel's 6 × 32 tiles and 16-lane softmax compute every element
-    with the AVX2 tiles' operations in their order: the same bits at both levels (tile edges, head
-    dims with a last group of 4 or 2 channels, local blocks). Where the CPU lacks full-width AVX-512
+    """With full-width AVX-512 the kernel's 6 × 64 tiles (items of 33 to 64 queries), 6 × 32 tiles
+    (a last item of at most 32) and 16-lane softmax compute every element with the AVX2 tiles'
+    operations in their order: the same bits at both levels (tile edges, whole 64-query items,
+    head dims with a last group of 4 or 2 channels, local blocks). Where the CPU lacks full-width AVX-512
     both levels run the AVX2 tiles and this only checks the level switch."""
     from specwhisper.backends import cpu_ops
 
