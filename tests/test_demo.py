@@ -43,8 +43,12 @@ def test_demo_prints_its_measurements_and_speculation_is_exact(capsys):
     drafts = [str(real_folder("base-2l")), str(real_folder("tiny.en"))]
     code = run_demo(str(real_folder("base")), drafts, "base", None, 2, seconds=35.0, ct2=True,
                     draft_names=["base-2l", "tiny.en"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 0
+    # stderr is not a terminal here: its status lines are plain (no escape codes), phases only
+    assert "\x1b[" not in captured.err and "\r" not in captured.err
+    assert "loading models ..." in captured.err and "s of audio" not in captured.err
     assert "vector level:" in out and "target-only (base)" in out
     assert "speculative (+ base-2l" in out and "speculative (+ tiny.en" in out
     assert "Speculative tokens (+ base-2l) identical to target-only: yes" in out

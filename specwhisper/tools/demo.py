@@ -57,14 +57,19 @@ def vector_level() -> str:
             + (f"; held by {', '.join(held)}" if held else "") + ")")
 
 
-def status(text: str) -> None:
-    print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+def status(text: str, progress: bool = False) -> None:
+    """A status line on stderr, rewritten in place on a terminal. Elsewhere (a log file, a pipe)
+    plain lines without escape codes: the phases only, not each window's `progress`."""
+    if sys.stderr.isatty():
+        print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+    elif text and not progress:
+        print(text.strip(), file=sys.stderr, flush=True)
 
 
 def transcribe(engine, mel, label: str, duration: float, **kwargs):
     """Long-form transcription of the whole-recording log-mel, with a progress line."""
     def progress(seek: int, frames: int) -> None:
-        status(f"  {label}: {min(seek, frames) / FRAMES_PER_SECOND:5.1f} / {duration:.1f} s of audio")
+        status(f"  {label}: {min(seek, frames) / FRAMES_PER_SECOND:5.1f} / {duration:.1f} s of audio", progress=True)
 
     start = time.perf_counter()
     out = engine.submit(mel, language="en", timestamps=True, seed=0, progress=progress, **kwargs).result()
