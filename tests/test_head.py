@@ -16,17 +16,18 @@ def inference():
 
 
 
-@pytest.fixture(params=["avx512", "avx512-bw", "avx2", "scalar", "reference"], autouse=True)
+@pytest.fixture(params=["avx512", "avx512-bw", "avx2", "avx2-madd", "scalar", "reference"], autouse=True)
 def path(request):
     """Every test runs through the C++ op (when built) at each vector level (a level the CPU
-    lacks runs the best it has; avx512-bw: AVX-512 without VNNI) and through the PyTorch reference."""
+    lacks runs the best it has; avx512-bw: AVX-512 without VNNI; avx2-madd: AVX2 without AVX-VNNI,
+    where a CPU has it) and through the PyTorch reference."""
     if request.param != "reference" and cpu_ops._ops() is None:
         pytest.skip("C++ decode ops unavailable")
     if request.param == "reference":
         with cpu_ops.reference():
             yield request.param
-    elif request.param == "avx512-bw":
-        with cpu_ops.vector_level(2), cpu_ops.without_vnni():
+    elif request.param in ("avx512-bw", "avx2-madd"):
+        with cpu_ops.vector_level(2 if request.param == "avx512-bw" else 1), cpu_ops.without_vnni():
             yield request.param
     else:
         with cpu_ops.vector_level({"avx512": 2, "avx2": 1, "scalar": 0}[request.param]):

@@ -272,7 +272,7 @@ def test_int8_linear_matches_reference_at_every_vector_level(M):
     if M > 2:
         assert torch.equal(ref[1], bias) and ref[2].isnan().all()
     outs = []
-    for level, vnni in ((2, True), (2, False), (1, True), (0, True)):
+    for level, vnni in ((2, True), (2, False), (1, True), (1, False), (0, True)):
         with cpu_ops.vector_level(level), (contextlib.nullcontext() if vnni else cpu_ops.without_vnni()):
             outs.append(cpu_ops.linear_q8(x, packed, scale, bias))
     for o in outs:
