@@ -936,13 +936,11 @@ Q16_HALF_FN(q16_half_vnni, "avx2,fma,f16c,avxvnni", Q16_ACC_DPWSSD)
 #undef Q16_ACC_MADD
 #undef Q16_ACC_DPWSSD
 
-bool has_avx_vnni();
-
-// MR = rows (1..6) input rows against both halves of one int8 block; PF: prefetch the next block.
+// MR = rows (1..6) input rows against both halves of one int8 block; PF: prefetch the next block;
+// dp: q16_half_vnni (`has_avx_vnni`, decided once by the caller).
 template <bool PF>
 __attribute__((target("avx2,fma,f16c"))) void q16_halves(int64_t rows, const int16_t* x, int64_t K, const int8_t* blk,
-                                                         float* out, int64_t ldo, const int8_t* next) {
-  const bool dp = has_avx_vnni();
+                                                         float* out, int64_t ldo, const int8_t* next, bool dp) {
   for (int h = 0; h < 2; ++h) {
     const bool pf = PF && h == 0;
 #define Q16_HALF(MR)                                                                              \
@@ -974,13 +972,13 @@ inline void balanced_groups(int64_t M, int64_t most, F&& f) {
 // Base's head held to AVX2, rows 3 4 5 6 9: 1.08 1.35 1.58 2.05 3.07 -> 0.90 1.02 1.39 1.57 2.35 ms
 // (ScreenedHead.argmax timed alone on 1..9 rows); 6 rows in one group against 3 + 3 (named
 // accumulators, Zen 3, alternated): 3.37 -> 2.90 ms. The products are exact integer sums: the same
-// bits in any grouping.
+// bits in any grouping. dp: the groups' products with AVX-VNNI (`has_avx_vnni`).
 __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* blk,
-                                                       const int8_t* next, float* out, int64_t ldo) {
+                                                       const int8_t* next, float* out, int64_t ldo, bool dp) {
   if (M > 2) {
     balanced_groups(M, 6, [&](int64_t m, int64_t rows) {
-      if (m == 0 && next != nullptr) q16_halves<true>(rows, x, K, blk, out, ldo, next);
-      else q16_halves<false>(rows, x + m * K, K, blk, out + m * ldo, ldo, next);
+      if (m == 0 && next != nullptr) q16_halves<true>(rows, x, K, blk, out, ldo, next, dp);
+      else q16_halves<false>(rows, x + m * K, K, blk, out + m * ldo, ldo, next, dp);
     });
     return;
   }
@@ -1191,7 +1189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> screened_split(const at::Tensor& 
   const int64_t ld = blocks * kQB;
   const bool vec = has_avx2();
   const bool wide = vector_level() >= 2 && (N > 1 || wide_single_row);
-  const bool vnni = wide && has_vnni();
+  const bool vnni = wide && has_vnni(), avx_vnni = has_avx_vnni();
   const float tiny_f = static_cast<float>(tiny);
   // pass 1 (parallel over vocabulary blocks): approximate logits, and each chunk's best lower
   // bound per row
@@ -1213,7 +1211,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> screened_split(const at::Tensor& 
           if (vnni) q16_rows512<true>(xq, N, K, blk, next, o, ld);
           else q16_rows512<false>(xq, N, K, blk, next, o, ld);
         } else if (vec) {
-          q16_rows(xq, N, K, blk, next, o, ld);
+          q16_rows(xq, N, K, blk, next, o, ld, avx_vnni);
         } else {
           for (int64_t m = 0; m < N; ++m)
             for (int j = 0; j < kQB; ++j) o[m * ld + j] = q16_dot_scalar(xq + m * K, K, blk, j);
@@ -1785,7 +1783,7 @@ constexpr int64_t kQ8OwnRows = 16;  // rows each thread quantizes for itself
 void q8_matmul(const float* xp, int64_t M, int64_t K, const int8_t* qp, int64_t N, float* op, const Epilogue& finish) {
   const int64_t blocks = N / kQB;
   const int level = vector_level();
-  const bool vnni = has_vnni();
+  const bool vnni = has_vnni(), avx_vnni = has_avx_vnni();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (kQB * K));
   // the rows in 16 bits: a draft step's few quantized by each thread for itself (no serial gap
   // before the section), a prompt pass's many once
@@ -1810,7 +1808,7 @@ void q8_matmul(const float* xp, int64_t M, int64_t K, const int8_t* qp, int64_t 
       } else if (level >= 2) {
         q16_rows512<false>(xq, M, K, blk, nullptr, o, N);
       } else if (level >= 1) {
-        q16_rows(xq, M, K, blk, nullptr, o, N);
+        q16_rows(xq, M, K, blk, nullptr, o, N, avx_vnni);
       } else {
         for (int64_t m = 0; m < M; ++m)
           for (int j = 0; j < kQB; ++j) o[m * N + j] = q16_dot_scalar(xq + m * K, K, blk, j);
