@@ -856,31 +856,39 @@ void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh
 // out[m, j] = float(P) for MR input rows (16-bit, row stride K) and the 8 rows of one int8 block:
 // a 16-byte load holds rows 2j and 2j+1 (8 features each), widened to 16 bits and multiplied by the
 // row's 8 features in both halves; lanes 0-3 sum row 2j, lanes 4-7 row 2j+1. PF: prefetch the next block.
-template <int MR, bool PF>
-__attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_t K, const int8_t* blk, float* out,
-                                                        int64_t ldo, const int8_t* next) {
-  __m256i acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
-  for (int64_t k = 0; k < K; k += 8) {
-    const int8_t* p = blk + k * kQB;
-    if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));
-    __m256i xv[MR];
-    for (int i = 0; i < MR; ++i)
-      xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));
-    for (int j = 0; j < 4; ++j) {
-      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(w, xv[i]));
-    }
+// Q16_BLOCK_FN(NAME, TARGET, ACC) defines NAME<MR, PF> with ACC(a, w, x) = a + the pairs' products:
+// q16_block (vpmaddwd + vpaddd) and, with AVX-VNNI, q16_block_vnni (vpdpwssd: the same int32 sums).
+#define Q16_BLOCK_FN(NAME, TARGET, ACC)                                                                                  \
+  template <int MR, bool PF>                                                                                              \
+  __attribute__((target(TARGET))) void NAME(const int16_t* x, int64_t K, const int8_t* blk, float* out, int64_t ldo,      \
+                                            const int8_t* next) {                                                         \
+    __m256i acc[MR][4];                                                                                                   \
+    for (int i = 0; i < MR; ++i)                                                                                          \
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();                                                     \
+    for (int64_t k = 0; k < K; k += 8) {                                                                                  \
+      const int8_t* p = blk + k * kQB;                                                                                    \
+      if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));                                             \
+      __m256i xv[MR];                                                                                                     \
+      for (int i = 0; i < MR; ++i)                                                                                        \
+        xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));            \
+      for (int j = 0; j < 4; ++j) {                                                                                       \
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));            \
+        for (int i = 0; i < MR; ++i) acc[i][j] = ACC(acc[i][j], w, xv[i]);                                                \
+      }                                                                                                                   \
+    }                                                                                                                     \
+    for (int i = 0; i < MR; ++i)                                                                                          \
+      for (int j = 0; j < 4; ++j) {                                                                                       \
+        alignas(32) int32_t l[8];                                                                                         \
+        _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);                                                     \
+        out[i * ldo + 2 * j] = static_cast<float>((l[0] + l[1]) + (l[2] + l[3]));                                        \
+        out[i * ldo + 2 * j + 1] = static_cast<float>((l[4] + l[5]) + (l[6] + l[7]));                                    \
+      }                                                                                                                   \
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) {
-      alignas(32) int32_t l[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
-      out[i * ldo + 2 * j] = static_cast<float>((l[0] + l[1]) + (l[2] + l[3]));
-      out[i * ldo + 2 * j + 1] = static_cast<float>((l[4] + l[5]) + (l[6] + l[7]));
-    }
-}
+#define Q16_ACC_MADD(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
+#define Q16_ACC_DPWSSD(a, w, x) _mm256_dpwssd_avx_epi32(a, w, x)
+Q16_BLOCK_FN(q16_block, "avx2,fma,f16c", Q16_ACC_MADD)
+Q16_BLOCK_FN(q16_block_vnni, "avx2,fma,f16c,avxvnni", Q16_ACC_DPWSSD)
+#undef Q16_BLOCK_FN
 
 // q16_block's products for one half of the block (rows 4h..4h+3, the second 32 bytes of each
 // 64-byte step for h = 1) and MR (1..6) input rows: 2 accumulators a row instead of 4, so one
@@ -897,9 +905,7 @@ __attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_
 // base's whole pass at the AVX2 level on 2 threads of a Xeon with AVX-VNNI, alternated in one
 // process 12 times, 3 / 5 / 9 rows 6.43 / 8.89 / 14.42 -> 5.97 / 8.20 / 13.37 ms (paired 1.09 /
 // 1.06 / 1.06x). `set_vnni(false)` switches it off with AVX512-VNNI.
-// Q16_HALF_FN(NAME, TARGET, ACC) defines NAME<MR, PF> with ACC(a, w, x) = a + the pairs' products.
-#define Q16_ACC_MADD(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
-#define Q16_ACC_DPWSSD(a, w, x) _mm256_dpwssd_avx_epi32(a, w, x)
+// Q16_HALF_FN(NAME, TARGET, ACC) defines NAME<MR, PF> with ACC (above) as q16_block's.
 #define Q16_ROW(r, ACC)                                                                                                \
   if constexpr (r < MR) {                                                                                              \
     const __m256i xv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + r * K + k))); \
@@ -982,9 +988,11 @@ __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t
     });
     return;
   }
-  if (next == nullptr) M == 2 ? q16_block<2, false>(x, K, blk, out, ldo, next) : q16_block<1, false>(x, K, blk, out, ldo, next);
-  else if (M == 2) q16_block<2, true>(x, K, blk, out, ldo, next);
-  else q16_block<1, true>(x, K, blk, out, ldo, next);
+#define Q16_BLOCK(MR, PF) (dp ? q16_block_vnni<MR, PF>(x, K, blk, out, ldo, next) : q16_block<MR, PF>(x, K, blk, out, ldo, next))
+  if (next == nullptr) M == 2 ? Q16_BLOCK(2, false) : Q16_BLOCK(1, false);
+  else if (M == 2) Q16_BLOCK(2, true);
+  else Q16_BLOCK(1, true);
+#undef Q16_BLOCK
 }
 
 // The totals of the four 128-bit lanes of a (int32 lanes 0-3 of the result) and of b (lanes 4-7):
@@ -1380,36 +1388,60 @@ __attribute__((target("avx2,fma,f16c"))) inline void store_block_sums(const __m2
 // prefetching in every group, alternated 60 rounds (base-2l's head, 2 Zen 3 threads): 3 / 4 / 8 rows
 // 0.955 / 0.962 / 0.971 of the time, within the noise (1 and 2 rows, the same code both ways, read
 // 0.976 / 0.955).
-template <int MR, bool PF>
-__attribute__((target("avx2,fma,f16c"))) void q4_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
-                                                       int64_t ldo) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256i acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
-  for (int64_t c = 0; c < K / kQ4Chunk; ++c) {
-    const uint8_t* p = blk + c * kQB * 16;  // 128 bytes: two cache lines
-    if (PF) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch + 64), _MM_HINT_T0);
-    }
-    __m256i lo_x[MR], hi_x[MR];
-    for (int i = 0; i < MR; ++i) {
-      const int8_t* xc = x + i * K + c * kQ4Chunk;
-      lo_x[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc)));
-      hi_x[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc + 16)));
-    }
-    for (int j = 0; j < 4; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
-      const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x[i]), _mm256_maddubs_epi16(hi, hi_x[i]));
-        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(s, ones));
-      }
-    }
+//
+// QUANT_BLOCK_FN(NAME, TARGET, FIELDS, STEP) defines NAME<MR, PF>: q4_block (FIELDS 2: a byte's low
+// and high nibbles) or q2_block (FIELDS 4: its bit pairs); STEP(acc, u, xs) adds to the int32 lanes
+// acc the products of a 32-byte load's FIELDS fields u[f] with the row's 16 features xs[f]
+// broadcast to both halves: maddubs and madd (Q4_STEP_MADD, Q2_STEP_MADD) or, with AVX-VNNI (Intel's
+// AVX2-level CPUs since Alder Lake, AMD's since Zen 5), vpdpbusd, which sums each 4 byte products
+// into an int32 lane without saturating (Q4_STEP_DPBUSD, Q2_STEP_DPBUSD): 3 instructions a row for a
+// 4-bit load where maddubs took 5, 6 for a 2-bit one where it took 9; the same exact sums, so the same bits.
+// Each step's dpbusd chain starts from zero and is added to acc once, so the steps of successive
+// chunks do not wait on each other's 5-cycle latency.
+#define QUANT_BLOCK_FN(NAME, TARGET, FIELDS, STEP)                                                                   \
+  template <int MR, bool PF>                                                                                         \
+  __attribute__((target(TARGET))) void NAME(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,            \
+                                            int64_t ldo) {                                                           \
+    constexpr int kFields = FIELDS, kBits = 8 / FIELDS, kChunk = 16 * FIELDS;                                        \
+    const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << kBits) - 1)), ones = _mm256_set1_epi16(1);         \
+    (void)ones;                                                                                                      \
+    __m256i acc[MR][4];                                                                                              \
+    for (int i = 0; i < MR; ++i)                                                                                     \
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();                                                \
+    for (int64_t c = 0; c < K / kChunk; ++c) {                                                                       \
+      const uint8_t* p = blk + c * kQB * 16; /* 128 bytes: two cache lines */                                        \
+      if (PF) {                                                                                                      \
+        _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch), _MM_HINT_T0);                                   \
+        _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch + 64), _MM_HINT_T0);                              \
+      }                                                                                                              \
+      __m256i xs[MR][kFields];                                                                                       \
+      for (int i = 0; i < MR; ++i)                                                                                   \
+        for (int f = 0; f < kFields; ++f)                                                                            \
+          xs[i][f] = _mm256_broadcastsi128_si256(                                                                    \
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + c * kChunk + 16 * f)));                   \
+      for (int j = 0; j < 4; ++j) {                                                                                  \
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));                          \
+        __m256i u[kFields];                                                                                          \
+        for (int f = 0; f < kFields; ++f) u[f] = _mm256_and_si256(_mm256_srli_epi16(w, kBits * f), mask);            \
+        for (int i = 0; i < MR; ++i) acc[i][j] = STEP(acc[i][j], u, xs[i]);                                          \
+      }                                                                                                              \
+    }                                                                                                                \
+    store_block_sums<MR>(acc, out, ldo);                                                                             \
   }
-  store_block_sums<MR>(acc, out, ldo);
-}
+// |pair sum| <= 2 * 15 * 127 (4 bits), <= 2 * 3 * 127 and four of them <= 3048 (2 bits): no int16 saturation
+#define Q4_STEP_MADD(acc, u, xs) \
+  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[0], xs[0]), _mm256_maddubs_epi16(u[1], xs[1])), ones))
+#define Q2_STEP_MADD(acc, u, xs)                                                                                      \
+  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[0], xs[0]),       \
+                                                                            _mm256_maddubs_epi16(u[1], xs[1])),      \
+                                                           _mm256_add_epi16(_mm256_maddubs_epi16(u[2], xs[2]),       \
+                                                                            _mm256_maddubs_epi16(u[3], xs[3]))),     \
+                                          ones))
+#define QB_DP(a, u, x) _mm256_dpbusd_avx_epi32(a, u, x)
+#define Q4_STEP_DPBUSD(acc, u, xs) _mm256_add_epi32(acc, QB_DP(QB_DP(_mm256_setzero_si256(), u[0], xs[0]), u[1], xs[1]))
+#define Q2_STEP_DPBUSD(acc, u, xs)                                                                           \
+  _mm256_add_epi32(acc, _mm256_add_epi32(QB_DP(QB_DP(_mm256_setzero_si256(), u[0], xs[0]), u[1], xs[1]),     \
+                                         QB_DP(QB_DP(_mm256_setzero_si256(), u[2], xs[2]), u[3], xs[3])))
 
 // The 2-bit head (spec: head.py `Q2Head`): row v's u in 0..3 (2q = 2u - 3 in {-3, -1, 1, 3}), stored
 // [ceil(V/8), K/64, 8, 16]: per block of 8 rows and chunk of 64 features, row j's byte b holds u of
@@ -1430,42 +1462,18 @@ int32_t q2_dot_scalar(const int8_t* x, int64_t K, const uint8_t* blk, int j) {
   return acc;
 }
 
-// q4_block's form for the 2-bit copy: a 32-byte load holds rows 2jj and 2jj+1, each of its four bit
-// pairs multiplies its 16 features (maddubs: |pair sum| <= 2 * 3 * 127; four of them <= 3048, no
-// int16 overflow), madd sums pairs into int32 lanes.
-template <int MR, bool PF>
-__attribute__((target("avx2,fma,f16c"))) void q2_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out,
-                                                       int64_t ldo) {
-  const __m256i mask = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
-  __m256i acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
-  for (int64_t c = 0; c < K / kQ2Chunk; ++c) {
-    const uint8_t* p = blk + c * kQB * 16;  // 128 bytes: two cache lines
-    if (PF) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + kQ4Prefetch + 64), _MM_HINT_T0);
-    }
-    __m256i xs[MR][4];
-    for (int i = 0; i < MR; ++i)
-      for (int q = 0; q < 4; ++q)
-        xs[i][q] = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + c * kQ2Chunk + 16 * q)));
-    for (int j = 0; j < 4; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
-      const __m256i u0 = _mm256_and_si256(w, mask), u1 = _mm256_and_si256(_mm256_srli_epi16(w, 2), mask),
-                    u2 = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask),
-                    u3 = _mm256_and_si256(_mm256_srli_epi16(w, 6), mask);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i s = _mm256_add_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(u0, xs[i][0]), _mm256_maddubs_epi16(u1, xs[i][1])),
-            _mm256_add_epi16(_mm256_maddubs_epi16(u2, xs[i][2]), _mm256_maddubs_epi16(u3, xs[i][3])));
-        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(s, ones));
-      }
-    }
-  }
-  store_block_sums<MR>(acc, out, ldo);
-}
+// The 4-bit and 2-bit block products (QUANT_BLOCK_FN above): a 32-byte load holds rows 2jj and 2jj+1,
+// each of its bit fields multiplies its 16 features.
+QUANT_BLOCK_FN(q4_block, "avx2,fma,f16c", 2, Q4_STEP_MADD)
+QUANT_BLOCK_FN(q4_block_vnni, "avx2,fma,f16c,avxvnni", 2, Q4_STEP_DPBUSD)
+QUANT_BLOCK_FN(q2_block, "avx2,fma,f16c", 4, Q2_STEP_MADD)
+QUANT_BLOCK_FN(q2_block_vnni, "avx2,fma,f16c,avxvnni", 4, Q2_STEP_DPBUSD)
+#undef QUANT_BLOCK_FN
+#undef Q4_STEP_MADD
+#undef Q2_STEP_MADD
+#undef Q4_STEP_DPBUSD
+#undef Q2_STEP_DPBUSD
+#undef QB_DP
 
 // The same products with AVX512-VNNI: a 64-byte load holds rows 4h..4h+3 of a chunk (128-bit
 // lane r: row 4h+r's 16 bytes), each bit field of it (4 bits: 2 fields, 2 bits: 4) multiplies its
@@ -1508,11 +1516,13 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c"))) vo
 // Bits-bit heads (4: `Q4Head`, 2: `Q2Head`): one block's kernel, the products of a block, and a
 // token's centered integer product (the exact q_v . p in the copy's integer units: 4-bit q = u - 8;
 // 2-bit 2q = 2u - 3).
+// vnni: AVX512-VNNI (quant_block512); avx_vnni: AVX-VNNI at the AVX2 level (q4_block_vnni, q2_block_vnni).
 template <int Bits, int MR, bool PF>
-inline void quant_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out, int64_t ldo, bool vnni) {
+inline void quant_block(const int8_t* x, int64_t K, const uint8_t* blk, int32_t* out, int64_t ldo, bool vnni,
+                        bool avx_vnni) {
   if (vnni) quant_block512<Bits, MR, PF>(x, K, blk, out, ldo);
-  else if constexpr (Bits == 4) q4_block<MR, PF>(x, K, blk, out, ldo);
-  else q2_block<MR, PF>(x, K, blk, out, ldo);
+  else if constexpr (Bits == 4) avx_vnni ? q4_block_vnni<MR, PF>(x, K, blk, out, ldo) : q4_block<MR, PF>(x, K, blk, out, ldo);
+  else avx_vnni ? q2_block_vnni<MR, PF>(x, K, blk, out, ldo) : q2_block<MR, PF>(x, K, blk, out, ldo);
 }
 
 // products[m * 8 + j] = sum_k u[j, k] * p_m[k] for the N int8 rows of x and the 8 rows of one block.
@@ -1520,16 +1530,17 @@ template <int Bits>
 void quant_products(const int8_t* x, int64_t N, int64_t K, const uint8_t* blk, bool vec, int32_t* products) {
   int64_t m = 0;
   const bool vnni = vec && vector_level() >= 2 && has_vnni();  // AVX512-VNNI: quant_block512
+  const bool avx_vnni = vec && has_avx_vnni();
   if (vec) {
     if (N == 1) {
-      quant_block<Bits, 1, true>(x, K, blk, products, kQB, vnni);
+      quant_block<Bits, 1, true>(x, K, blk, products, kQB, vnni, avx_vnni);
       return;
     }
     for (; m + 2 <= N; m += 2) {
-      if (m == 0) quant_block<Bits, 2, true>(x, K, blk, products, kQB, vnni);
-      else quant_block<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB, vnni);
+      if (m == 0) quant_block<Bits, 2, true>(x, K, blk, products, kQB, vnni, avx_vnni);
+      else quant_block<Bits, 2, false>(x + m * K, K, blk, products + m * kQB, kQB, vnni, avx_vnni);
     }
-    if (m < N) quant_block<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB, vnni);
+    if (m < N) quant_block<Bits, 1, false>(x + m * K, K, blk, products + m * kQB, kQB, vnni, avx_vnni);
   } else {
     for (; m < N; ++m)
       for (int j = 0; j < kQB; ++j)

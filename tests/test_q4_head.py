@@ -3,6 +3,8 @@ vector level (proposals and their leads over the next candidate), its packing is
 the rounding cannot hide it."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,6 +12,16 @@ from specwhisper.backends import cpu_ops
 from specwhisper.model.head import Q2Head, Q4Head, quantize_rows8
 
 needs_ops = pytest.mark.skipif(cpu_ops._ops() is None, reason="C++ decode ops unavailable")
+# vector levels (a level the CPU lacks runs the best it has): scalar, AVX2 (with AVX-VNNI where the
+# CPU has it), AVX2 without it (maddubs), AVX-512
+LEVELS = [0, 1, "1-madd", 2]
+
+
+@contextlib.contextmanager
+def at_level(level):
+    with cpu_ops.vector_level(1 if level == "1-madd" else level), \
+            (cpu_ops.without_vnni() if level == "1-madd" else contextlib.nullcontext()):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +36,7 @@ def exact_argmax(weight, hidden, banned=None):
 
 
 @needs_ops
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("V,K,N", [(8, 32, 1), (8, 64, 1), (77, 32, 3), (77, 64, 3), (1001, 64, 5), (1001, 128, 5),
                                    (5003, 384, 2), (4099, 512, 9)])
 def test_op_equals_reference(level, V, K, N):
@@ -44,7 +56,7 @@ def test_op_equals_reference(level, V, K, N):
             head = kind(weight, candidates)
             for banned in masks:
                 got_lead, want_lead = torch.full((N,), -1.0), torch.full((N,), -2.0)
-                with cpu_ops.vector_level(level):
+                with at_level(level):
                     got = head.argmax(hidden, banned, got_lead)
                     # the reference with the op's exact logits (`gather_dot`): the same leads, bit for bit
                     assert torch.equal(head.argmax_reference(hidden, banned, want_lead), got)
@@ -72,7 +84,7 @@ def odd_rows_agree(head, level):
     banned = torch.zeros(6, V, dtype=torch.bool)
     banned[4] = True
     got_lead, want_lead = torch.empty(6), torch.empty(6)
-    with cpu_ops.vector_level(level):
+    with at_level(level):
         got = head.argmax(hidden, banned, got_lead)
         empty = head.argmax(hidden[:0], None, torch.empty(0))
         head.argmax_reference(hidden, banned, want_lead)  # with the op's exact logits
@@ -87,7 +99,7 @@ def odd_rows_agree(head, level):
 
 
 @needs_ops
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", LEVELS)
 def test_extreme_products_and_odd_rows(level):
     """Weights at -7 and 7 against the odd rows (`odd_rows_agree`)."""
     V, K = 203, 512
@@ -134,7 +146,7 @@ def test_proposals_match_the_exact_argmax_on_clear_winners():
 
 
 @needs_ops
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("V,K,N", [(8, 32, 1), (77, 32, 3), (1001, 64, 5), (5003, 384, 2)])
 def test_logits_op_equals_reference(level, V, K, N):
     """A sampled draft's logits: every approximation and the exact logits of the best
@@ -150,7 +162,7 @@ def test_logits_op_equals_reference(level, V, K, N):
     for candidates in (0, 1, 16, V + 3):
         head = Q4Head(weight, max(candidates, 1))
         head.candidates = candidates  # 0: approximations only
-        with cpu_ops.vector_level(level):
+        with at_level(level):
             got = head.logits(hidden)
             want = head.logits_reference(hidden)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), candidates
@@ -182,7 +194,7 @@ def test_bad_shapes_are_refused():
 
 # ---------------------------------------------------------------- the 2-bit head (Q2Head)
 @needs_ops
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", LEVELS)
 def test_q2_extreme_products_and_odd_rows(level):
     """Every 2-bit level against the odd rows (`odd_rows_agree`)."""
     V, K = 203, 512
