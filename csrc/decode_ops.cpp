@@ -528,6 +528,52 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const f
   }
 }
 
+// tile512x2's products with both tiles' weights already widened and paired in float32 (`pair_tiles`:
+// per 8 features, the zmm of rows 0 and 1, then of rows 2 and 3; a tile `kPairedFloats` floats a
+// feature), so each pair is one aligned load: no insert or F16C conversion on the ports the FMAs
+// use (a 6-row group against two tiles in L1, one thread of a Xeon: 66% of its FMA peak with float16
+// pairs, 81% paired). The same fmas in the same order as tile512x2 (the same bits); the features
+// past the last 8 (K % 8) are the scalar tail from w, as there.
+constexpr int64_t kPairedFloats = 4;
+template <typename W, int MR>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2_paired(const float* x, int64_t ldx,
+                                                                               const float* pa, const float* pb,
+                                                                               const W* w, int64_t K, int64_t ws,
+                                                                               float* out, int64_t ldo, int64_t os) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8, pa += 32, pb += 32) {
+    const __m512 w0 = _mm512_load_ps(pa), w1 = _mm512_load_ps(pa + 16), w2 = _mm512_load_ps(pb), w3 = _mm512_load_ps(pb + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
+      acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(w2, xv, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(w3, xv, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    pair_outputs(acc[i][0], acc[i][1], w, ws, x + i * ldx, k, K, out + i * ldo, os);
+    pair_outputs(acc[i][2], acc[i][3], w + K, ws, x + i * ldx, k, K, out + i * ldo + 1, os);
+  }
+}
+
+// Tiles t0..t1-1 (tile t: weight rows w + t * K + j * ws, j < 4) widened and paired into `paired`
+// (64-byte aligned; tile t - t0 at (t - t0) * kPairedFloats * K), as tile512x2_paired reads them.
+template <typename W>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void pair_tiles(const W* w, int64_t K, int64_t ws, int64_t t0,
+                                                                         int64_t t1, float* paired) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const W* wt = w + t * K;
+    float* p = paired + (t - t0) * kPairedFloats * K;
+    for (int64_t k = 0; k + 8 <= K; k += 8, p += 32) {
+      _mm512_store_ps(p, pair8(wt + k, wt + ws + k));
+      _mm512_store_ps(p + 16, pair8(wt + 2 * ws + k, wt + 3 * ws + k));
+    }
+  }
+}
+
 // MR = rows (1..9) input rows against one weight tile with tile512.
 template <typename W, bool PF>
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void group512(int64_t rows, const float* x, int64_t K,
@@ -583,6 +629,9 @@ constexpr int64_t kManyRows = 16;           // rows from which matmul_range bloc
 constexpr int kManyGroup = 6;               // ... in groups of this many rows (AVX-512: tile512x2)
 constexpr int64_t kManyTiles = 16;          // ... against blocks of this many tiles (AVX-512)
 constexpr int64_t kManyBytes = 96 * 1024;  // float32 features per block of rows
+bool avx512_half_width();  // (below) an AMD Zen 4: 512-bit instructions on 256-bit units
+constexpr int64_t kPairedBytes = 256 * 1024;   // full-width AVX-512: the paired float32 tiles of a block ...
+constexpr int64_t kManyRowBytes = 1024 * 1024;  // ... against rows of up to this many bytes of features
 
 template <typename W>
 void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* acc,
@@ -616,10 +665,46 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
   std::vector<float> wide(widen_tile ? kNR * K : 0);
   if (pairs && many) {
     // AVX-512, many rows: each group of kManyGroup rows (its features in L1) against a block of
-    // kManyTiles tiles (in L2), two tiles at a time (tile512x2: 24 accumulators where tile512 keeps
-    // 12), the block's weights read from L2 once per group. Base's 36 decoder linears, float16
-    // weights, 2 threads of a Zen 4 EPYC (GFLOP/s): 150 rows 134-150 -> 170-172, 100 rows 127-130 ->
-    // 163-166; the float16 head (51865 x 512) over 100 rows 131-135 -> 154-157. The same bits.
+    // tiles (in L2), two tiles at a time (tile512x2: 24 accumulators where tile512 keeps 12), the
+    // block's weights read from L2 once per group. Base's 36 decoder linears, float16 weights, 2
+    // threads of a Zen 4 EPYC (GFLOP/s): 150 rows 134-150 -> 170-172, 100 rows 127-130 -> 163-166;
+    // the float16 head (51865 x 512) over 100 rows 131-135 -> 154-157. The same bits.
+    //
+    // With full-width AVX-512 (not a Zen 4, whose AVX-512 runs on 256-bit units) each block of tiles
+    // is first widened and paired into float32 (`pair_tiles`, at most kPairedBytes: in L2) and every
+    // group of kManyGroup rows, of a span of up to kManyRowBytes of features, reads the pairs
+    // (tile512x2_paired: one aligned load a pair where float16 pairs took two loads, an insert and
+    // a conversion on the FMA ports). 2 threads of a Xeon, alternated in one process 10 times, float16
+    // weights (GFLOP/s): 200 x 512 x 2048 97 -> 127, 200 x 2048 x 512 112 -> 150, 200 x 512 x 1536
+    // 99 -> 128, 100 x 512 x 51865 (a window's logits) 81 -> 101, 48 x 512 x 2048 98 -> 114; the
+    // demo recording's target-only call 5.15 -> 4.99 s (paired 1.038x over 6 rounds: its prompt
+    // passes and logits). The same bits.
+    static const bool paired = !avx512_half_width();  // 512-bit code at AVX2's rate: the tiles as they are
+    if (paired) {
+      const int64_t tiles = std::clamp<int64_t>(kPairedBytes / (kPairedFloats * K * int64_t{sizeof(float)}) / 2 * 2, 2, 64);
+      const int64_t span = std::max<int64_t>(kManyGroup, kManyRowBytes / (K * int64_t{sizeof(float)}) / kManyGroup * kManyGroup);
+      thread_local std::vector<float> scratch;
+      scratch.resize(std::max<size_t>(scratch.size(), static_cast<size_t>(tiles * kPairedFloats * K + 16)));
+      float* pairs_at = scratch.data() + ((64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64) / sizeof(float);
+      for (int64_t m0 = 0; m0 < M; m0 += span) {
+        const int64_t rows = std::min(span, M - m0), full = rows / kManyGroup * kManyGroup;
+        for (int64_t t0 = 0; t0 < Q; t0 += tiles) {
+          const int64_t t1 = std::min(Q, t0 + tiles), even = t0 + (t1 - t0) / 2 * 2;
+          if (full > 0) pair_tiles(w + n0 * K, K, ws, t0, even, pairs_at);
+          for (int64_t g = m0; g < m0 + full; g += kManyGroup)
+            for (int64_t t = t0; t < even; t += 2)
+              tile512x2_paired<W, kManyGroup>(x + g * K, K, pairs_at + (t - t0) * kPairedFloats * K,
+                                              pairs_at + (t + 1 - t0) * kPairedFloats * K, w + (n0 + t) * K, K, ws,
+                                              acc + g * ldo + n0 + t, ldo, Q);
+          // the odd tile of the block, and the last rows (fewer than a group) against every tile
+          for (int64_t g = m0; g < m0 + rows; g += kManyGroup) {
+            const int64_t gr = std::min<int64_t>(kManyGroup, m0 + rows - g);
+            for (int64_t t = (gr == kManyGroup ? even : t0); t < t1; ++t)
+              group512<W, false>(gr, x + g * K, K, w + (n0 + t) * K, ws, 0, acc + g * ldo + n0 + t, ldo, Q);
+          }
+        }
+      }
+    } else
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t rows = std::min(block, M - m0);
       for (int64_t t0 = 0; t0 < Q; t0 += kManyTiles) {
