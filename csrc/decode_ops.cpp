@@ -1180,7 +1180,7 @@ bool has_vnni() {
   static const bool v = __builtin_cpu_supports("avx512vnni");
   return v && g_vnni;
 }
-// ... and AVX-VNNI for the multi-row screen at the AVX2 level (q16_half_vnni), under the same switch
+// ... and AVX-VNNI for the AVX2 level's integer products (q16_block_vnni, q16_half_vnni, q4_block_vnni, q2_block_vnni), under the same switch
 bool has_avx_vnni() {
   static const bool v = __builtin_cpu_supports("avxvnni");
   return v && g_vnni;
