@@ -613,6 +613,16 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void rows_tile512(cons
   }
 }
 
+// wide[j * K + i] = w[j * ws + i] widened to float32 (exact) for the kNR rows of a tile.
+template <typename W>
+__attribute__((target("avx2,fma,f16c"))) void widen_rows(const W* w, int64_t ws, int64_t K, float* wide) {
+  for (int64_t j = 0; j < kNR; ++j) {
+    int64_t i = 0;
+    for (; i + 8 <= K; i += 8) _mm256_storeu_ps(wide + j * K + i, load8(w + j * ws + i));
+    for (; i < K; ++i) wide[j * K + i] = widen(w[j * ws + i]);
+  }
+}
+
 // acc[m, n] = x[m] . w[n] (float32) for weight rows n0..n1-1, on this thread.
 //
 // A tile's kNR weight rows are Q = (n1 - n0) / kNR rows apart, not adjacent: tile t takes rows
@@ -632,6 +642,7 @@ constexpr int64_t kManyBytes = 96 * 1024;  // float32 features per block of rows
 bool avx512_half_width();  // (below) an AMD Zen 4: 512-bit instructions on 256-bit units
 constexpr int64_t kPairedBytes = 256 * 1024;   // full-width AVX-512: the paired float32 tiles of a block ...
 constexpr int64_t kManyRowBytes = 1024 * 1024;  // ... against rows of up to this many bytes of features
+constexpr int64_t kWidenRows = 24;  // AVX2 tiles, many rows: blocks of at least this many rows widen each tile first
 
 template <typename W>
 void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* acc,
@@ -659,9 +670,14 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
   // are read (one instruction, F16C): widened first, without the next tile's prefetch, base's 4-
   // and 5-row verify passes ran 1.2x slower than on float32 weights (2 threads, Zen 3 EPYC, cold,
   // alternated in one process), widened as read 0.77-0.89x at 1..9 rows
-  // (not with many rows: there each tile would be widened once per block of rows, in scalar code;
-  // they widen bfloat16 as read, as float16)
-  const bool widen_tile = vec && !pairs && std::is_same<W, bf16>::value && M > kMR && !many;
+  // With many rows (the AVX2 tiles: AVX2, or K < 128) float16 and bfloat16 tiles are widened too,
+  // once per block of rows, in vector code (`widen_rows`), where the block has at least 24 rows to
+  // share each widening: a widening on the FMAs' ports costs more than a load there (Intel's cores;
+  // held to AVX2 on the Xeon, alternated in one process 8 times: float16 200 x 512 x 2048 108 -> 124
+  // GFLOP/s, 200 x 512 x 1536 108 -> 126, 48 x 512 x 2048 106 -> 125, 100 x 512 x 51865 100 -> 105;
+  // K = 2048, 12-row blocks, widened 0.86x: not widened)
+  const bool widen_tile = vec && !pairs && M > kMR && !std::is_same<W, float>::value &&
+                          (many ? block >= kWidenRows : std::is_same<W, bf16>::value);
   std::vector<float> wide(widen_tile ? kNR * K : 0);
   if (pairs && many) {
     // AVX-512, many rows: each group of kManyGroup rows (its features in L1) against a block of
@@ -728,9 +744,8 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
       float* out = acc + m0 * ldo + n0 + t;
       const bool more = t + 1 < Q;
       if (widen_tile) {
-        for (int64_t j = 0; j < kNR; ++j)
-          for (int64_t i = 0; i < K; ++i) wide[j * K + i] = widen(wt[j * ws + i]);
-        rows_tile<float, kNR>(xb, rows, K, wide.data(), K, 0, out, ldo, Q, false);
+        widen_rows(wt, ws, K, wide.data());
+        rows_tile<float, kNR>(xb, rows, K, wide.data(), K, 0, out, ldo, Q, false, !many);
         continue;
       }
       if (pairs)

@@ -77,7 +77,8 @@ def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
 def test_linear_blocks_of_many_rows_give_each_rows_bits(wdtype, K, N):
     """16 rows and more (a prompt pass, cross K/V, a window's logits) run in blocks of rows that
     fit in L2 (96 KB of features: 45 rows of 520 features, 12 of 2048, 339 of 72), each block
-    against every weight tile in groups of 3 (AVX2), or with AVX-512 in groups of 6 against blocks
+    against every weight tile in groups of 3 (AVX2; float16 and bfloat16 tiles widened first where a
+    block has 24 rows or more: not for K = 2048), or with AVX-512 in groups of 6 against blocks
     of 16 tiles two at a time (203 outputs: 50 tiles, so whole and partial blocks, an odd tile
     left; K = 132: a scalar tail after the groups of 8); with full-width AVX-512 the blocks' tiles
     paired in float32 first (8 tiles a block for K = 2048, 62 for K = 132: 2048 x 203 and 132 x
