@@ -956,39 +956,31 @@ void quantize_rows16(const float* h, int64_t N, int64_t K, int16_t* p, float* sh
 // out[m, j] = float(P) for MR input rows (16-bit, row stride K) and the 8 rows of one int8 block:
 // a 16-byte load holds rows 2j and 2j+1 (8 features each), widened to 16 bits and multiplied by the
 // row's 8 features in both halves; lanes 0-3 sum row 2j, lanes 4-7 row 2j+1. PF: prefetch the next block.
-// Q16_BLOCK_FN(NAME, TARGET, ACC) defines NAME<MR, PF> with ACC(a, w, x) = a + the pairs' products:
-// q16_block (vpmaddwd + vpaddd) and, with AVX-VNNI, q16_block_vnni (vpdpwssd: the same int32 sums).
-#define Q16_BLOCK_FN(NAME, TARGET, ACC)                                                                                  \
-  template <int MR, bool PF>                                                                                              \
-  __attribute__((target(TARGET))) void NAME(const int16_t* x, int64_t K, const int8_t* blk, float* out, int64_t ldo,      \
-                                            const int8_t* next) {                                                         \
-    __m256i acc[MR][4];                                                                                                   \
-    for (int i = 0; i < MR; ++i)                                                                                          \
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();                                                     \
-    for (int64_t k = 0; k < K; k += 8) {                                                                                  \
-      const int8_t* p = blk + k * kQB;                                                                                    \
-      if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));                                             \
-      __m256i xv[MR];                                                                                                     \
-      for (int i = 0; i < MR; ++i)                                                                                        \
-        xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));            \
-      for (int j = 0; j < 4; ++j) {                                                                                       \
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));            \
-        for (int i = 0; i < MR; ++i) acc[i][j] = ACC(acc[i][j], w, xv[i]);                                                \
-      }                                                                                                                   \
-    }                                                                                                                     \
-    for (int i = 0; i < MR; ++i)                                                                                          \
-      for (int j = 0; j < 4; ++j) {                                                                                       \
-        alignas(32) int32_t l[8];                                                                                         \
-        _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);                                                     \
-        out[i * ldo + 2 * j] = static_cast<float>((l[0] + l[1]) + (l[2] + l[3]));                                        \
-        out[i * ldo + 2 * j + 1] = static_cast<float>((l[4] + l[5]) + (l[6] + l[7]));                                    \
-      }                                                                                                                   \
+template <int MR, bool PF>
+__attribute__((target("avx2,fma,f16c"))) void q16_block(const int16_t* x, int64_t K, const int8_t* blk, float* out,
+                                                        int64_t ldo, const int8_t* next) {
+  __m256i acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 8) {
+    const int8_t* p = blk + k * kQB;
+    if (PF) prefetch_stream(reinterpret_cast<const char*>(next + k * kQB));
+    __m256i xv[MR];
+    for (int i = 0; i < MR; ++i)
+      xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i * K + k)));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(w, xv[i]));
+    }
   }
-#define Q16_ACC_MADD(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
-#define Q16_ACC_DPWSSD(a, w, x) _mm256_dpwssd_avx_epi32(a, w, x)
-Q16_BLOCK_FN(q16_block, "avx2,fma,f16c", Q16_ACC_MADD)
-Q16_BLOCK_FN(q16_block_vnni, "avx2,fma,f16c,avxvnni", Q16_ACC_DPWSSD)
-#undef Q16_BLOCK_FN
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int32_t l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), acc[i][j]);
+      out[i * ldo + 2 * j] = static_cast<float>((l[0] + l[1]) + (l[2] + l[3]));
+      out[i * ldo + 2 * j + 1] = static_cast<float>((l[4] + l[5]) + (l[6] + l[7]));
+    }
+}
 
 // q16_block's products for one half of the block (rows 4h..4h+3, the second 32 bytes of each
 // 64-byte step for h = 1) and MR (1..6) input rows: 2 accumulators a row instead of 4, so one
@@ -1005,7 +997,13 @@ Q16_BLOCK_FN(q16_block_vnni, "avx2,fma,f16c,avxvnni", Q16_ACC_DPWSSD)
 // base's whole pass at the AVX2 level on 2 threads of a Xeon with AVX-VNNI, alternated in one
 // process 12 times, 3 / 5 / 9 rows 6.43 / 8.89 / 14.42 -> 5.97 / 8.20 / 13.37 ms (paired 1.09 /
 // 1.06 / 1.06x). `set_vnni(false)` switches it off with AVX512-VNNI.
-// Q16_HALF_FN(NAME, TARGET, ACC) defines NAME<MR, PF> with ACC (above) as q16_block's.
+// Q16_HALF_FN(NAME, TARGET, ACC) defines NAME<MR, PF> with ACC(a, w, x) = a + the pairs' products.
+// (q16_block, 1-2 rows, keeps vpmaddwd + vpaddd: with one row its 4 accumulators would each wait on
+// vpdpwssd's 5-cycle latency every step, where vpaddd's is 1. Tried: tiny.en's compact step, whose
+// int8 projections run it, read 0.97x with vpdpwssd, alternated in one process on the Xeon held to
+// AVX2 (within that VM's noise, but no gain), so it stays.)
+#define Q16_ACC_MADD(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
+#define Q16_ACC_DPWSSD(a, w, x) _mm256_dpwssd_avx_epi32(a, w, x)
 #define Q16_ROW(r, ACC)                                                                                                \
   if constexpr (r < MR) {                                                                                              \
     const __m256i xv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + r * K + k))); \
@@ -1088,11 +1086,9 @@ __attribute__((target("avx2,fma,f16c"))) void q16_rows(const int16_t* x, int64_t
     });
     return;
   }
-#define Q16_BLOCK(MR, PF) (dp ? q16_block_vnni<MR, PF>(x, K, blk, out, ldo, next) : q16_block<MR, PF>(x, K, blk, out, ldo, next))
-  if (next == nullptr) M == 2 ? Q16_BLOCK(2, false) : Q16_BLOCK(1, false);
-  else if (M == 2) Q16_BLOCK(2, true);
-  else Q16_BLOCK(1, true);
-#undef Q16_BLOCK
+  if (next == nullptr) M == 2 ? q16_block<2, false>(x, K, blk, out, ldo, next) : q16_block<1, false>(x, K, blk, out, ldo, next);
+  else if (M == 2) q16_block<2, true>(x, K, blk, out, ldo, next);
+  else q16_block<1, true>(x, K, blk, out, ldo, next);
 }
 
 // The totals of the four 128-bit lanes of a (int32 lanes 0-3 of the result) and of b (lanes 4-7):
@@ -1195,7 +1191,7 @@ bool has_vnni() {
   static const bool v = __builtin_cpu_supports("avx512vnni");
   return v && g_vnni;
 }
-// ... and AVX-VNNI for the AVX2 level's integer products (q16_block_vnni, q16_half_vnni, q4_block_vnni, q2_block_vnni), under the same switch
+// ... and AVX-VNNI for the AVX2 level's integer products (q16_half_vnni, q4_block_vnni, q2_block_vnni), under the same switch
 bool has_avx_vnni() {
   static const bool v = __builtin_cpu_supports("avxvnni");
   return v && g_vnni;
