@@ -503,54 +503,22 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const flo
 
 // Two adjacent tiles (weight rows t and t + 1 of each of the 4 streams) against MR input rows:
 // 4 weight pairs x MR accumulators (24 + 4 + 1 of the 32 zmm for 6 rows), each output's chain as
-// tile512's (the same bits).
-template <typename W, int MR>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const float* x, int64_t ldx, const W* w, int64_t K,
-                                                                        int64_t ws, float* out, int64_t ldo, int64_t os) {
+// tile512's (the same bits). `pairs(k, p)` gives the 4 pairs of features k..k+7: p[0], p[1] the first
+// tile's rows 0 and 1, 2 and 3, p[2], p[3] the second's (TilePairs: from w as read; PairedTiles:
+// widened and paired before); the features past the last 8 (K % 8) are the scalar tail from w.
+template <typename W, int MR, typename Pairs>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const float* x, int64_t ldx, const Pairs& pairs,
+                                                                        const W* w, int64_t K, int64_t ws, float* out,
+                                                                        int64_t ldo, int64_t os) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
-  const W* v = w + K;  // the second tile's rows
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    const __m512 w0 = pair8(w + k, w + ws + k), w1 = pair8(w + 2 * ws + k, w + 3 * ws + k);
-    const __m512 w2 = pair8(v + k, v + ws + k), w3 = pair8(v + 2 * ws + k, v + 3 * ws + k);
+    __m512 p[4];
+    pairs(k, p);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
-      acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(w2, xv, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(w3, xv, acc[i][3]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    pair_outputs(acc[i][0], acc[i][1], w, ws, x + i * ldx, k, K, out + i * ldo, os);
-    pair_outputs(acc[i][2], acc[i][3], v, ws, x + i * ldx, k, K, out + i * ldo + 1, os);
-  }
-}
-
-// tile512x2's products with both tiles' weights already widened and paired in float32 (`pair_tiles`:
-// per 8 features, the zmm of rows 0 and 1, then of rows 2 and 3; a tile `kPairedFloats` floats a
-// feature), so each pair is one aligned load: no insert or F16C conversion on the ports the FMAs
-// use (a 6-row group against two tiles in L1, one thread of a Xeon: 66% of its FMA peak with float16
-// pairs, 81% paired). The same fmas in the same order as tile512x2 (the same bits); the features
-// past the last 8 (K % 8) are the scalar tail from w, as there.
-constexpr int64_t kPairedFloats = 4;
-template <typename W, int MR>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2_paired(const float* x, int64_t ldx,
-                                                                               const float* pa, const float* pb,
-                                                                               const W* w, int64_t K, int64_t ws,
-                                                                               float* out, int64_t ldo, int64_t os) {
-  __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8, pa += 32, pb += 32) {
-    const __m512 w0 = _mm512_load_ps(pa), w1 = _mm512_load_ps(pa + 16), w2 = _mm512_load_ps(pb), w3 = _mm512_load_ps(pb + 16);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i * ldx + k));
-      acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(w2, xv, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(w3, xv, acc[i][3]);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(p[j], xv, acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -559,8 +527,34 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2_paired(
   }
 }
 
+// The pairs of two adjacent tiles from their weights as read (pair8: loads, an insert, a widening).
+template <typename W>
+struct TilePairs {
+  const W* w;  // the first tile's row 0; the second tile's rows start K later
+  int64_t K, ws;
+  __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline void operator()(int64_t k, __m512* p) const {
+    const W* v = w + K;
+    p[0] = pair8(w + k, w + ws + k), p[1] = pair8(w + 2 * ws + k, w + 3 * ws + k);
+    p[2] = pair8(v + k, v + ws + k), p[3] = pair8(v + 2 * ws + k, v + 3 * ws + k);
+  }
+};
+
+// ... and from tiles widened and paired in float32 before (`pair_tiles`: per 8 features, the zmm of
+// rows 0 and 1, then of rows 2 and 3; a tile kPairedFloats floats a feature, 64-byte aligned), so
+// each pair is one aligned load: no insert or F16C conversion on the ports the FMAs use (a 6-row
+// group against two tiles in L1, one thread of a Xeon: 66% of its FMA peak with float16 pairs read
+// as they are, 81% paired).
+constexpr int64_t kPairedFloats = 4;
+struct PairedTiles {
+  const float *a, *b;  // the two tiles' pairs
+  __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline void operator()(int64_t k, __m512* p) const {
+    const float *pa = a + kPairedFloats * k, *pb = b + kPairedFloats * k;
+    p[0] = _mm512_load_ps(pa), p[1] = _mm512_load_ps(pa + 16), p[2] = _mm512_load_ps(pb), p[3] = _mm512_load_ps(pb + 16);
+  }
+};
+
 // Tiles t0..t1-1 (tile t: weight rows w + t * K + j * ws, j < 4) widened and paired into `paired`
-// (64-byte aligned; tile t - t0 at (t - t0) * kPairedFloats * K), as tile512x2_paired reads them.
+// (64-byte aligned; tile t - t0 at (t - t0) * kPairedFloats * K), as PairedTiles reads them.
 template <typename W>
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void pair_tiles(const W* w, int64_t K, int64_t ws, int64_t t0,
                                                                          int64_t t1, float* paired) {
@@ -689,7 +683,7 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
     // With full-width AVX-512 (not a Zen 4, whose AVX-512 runs on 256-bit units) each block of tiles
     // is first widened and paired into float32 (`pair_tiles`, at most kPairedBytes: in L2) and every
     // group of kManyGroup rows, of a span of up to kManyRowBytes of features, reads the pairs
-    // (tile512x2_paired: one aligned load a pair where float16 pairs took two loads, an insert and
+    // (tile512x2 on PairedTiles: one aligned load a pair where float16 pairs took two loads, an insert and
     // a conversion on the FMA ports). 2 threads of a Xeon, alternated in one process 10 times, float16
     // weights (GFLOP/s): 200 x 512 x 2048 97 -> 127, 200 x 2048 x 512 112 -> 150, 200 x 512 x 1536
     // 99 -> 128, 100 x 512 x 51865 (a window's logits) 81 -> 101, 48 x 512 x 2048 98 -> 114; the
@@ -709,9 +703,10 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
           if (full > 0) pair_tiles(w + n0 * K, K, ws, t0, even, pairs_at);
           for (int64_t g = m0; g < m0 + full; g += kManyGroup)
             for (int64_t t = t0; t < even; t += 2)
-              tile512x2_paired<W, kManyGroup>(x + g * K, K, pairs_at + (t - t0) * kPairedFloats * K,
-                                              pairs_at + (t + 1 - t0) * kPairedFloats * K, w + (n0 + t) * K, K, ws,
-                                              acc + g * ldo + n0 + t, ldo, Q);
+              tile512x2<W, kManyGroup>(x + g * K, K,
+                                       PairedTiles{pairs_at + (t - t0) * kPairedFloats * K,
+                                                   pairs_at + (t + 1 - t0) * kPairedFloats * K},
+                                       w + (n0 + t) * K, K, ws, acc + g * ldo + n0 + t, ldo, Q);
           // the odd tile of the block, and the last rows (fewer than a group) against every tile
           for (int64_t g = m0; g < m0 + rows; g += kManyGroup) {
             const int64_t gr = std::min<int64_t>(kManyGroup, m0 + rows - g);
@@ -730,7 +725,10 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
           const float* xg = x + g * K;
           int64_t t = t0;
           if (gr == kManyGroup)
-            for (; t + 2 <= t1; t += 2) tile512x2<W, kManyGroup>(xg, K, w + (n0 + t) * K, K, ws, acc + g * ldo + n0 + t, ldo, Q);
+            for (; t + 2 <= t1; t += 2) {
+              const W* wt = w + (n0 + t) * K;
+              tile512x2<W, kManyGroup>(xg, K, TilePairs<W>{wt, K, ws}, wt, K, ws, acc + g * ldo + n0 + t, ldo, Q);
+            }
           for (; t < t1; ++t) group512<W, false>(gr, xg, K, w + (n0 + t) * K, ws, 0, acc + g * ldo + n0 + t, ldo, Q);
         }
       }
