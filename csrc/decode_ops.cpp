@@ -217,6 +217,13 @@ bool has_avx2() { return vector_level() >= 1; }
 // ------------------------------------------------------------------ scalar twins
 // The scalar path reproduces the vector path's operation order exactly: 8 lane accumulators,
 // the same pairwise horizontal sum, then the tail.
+// n floats from a 64-byte boundary in a caller's (thread_local) buffer, grown as needed: a 512-bit
+// load or store across two cache lines costs two.
+inline float* aligned_floats(std::vector<float>& buffer, int64_t n) {
+  buffer.resize(std::max(buffer.size(), static_cast<size_t>(n + 16)));
+  return buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+}
+
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 inline float widen(f16 v) { return static_cast<float>(v); }
@@ -694,8 +701,7 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
       const int64_t tiles = std::clamp<int64_t>(kPairedBytes / (kPairedFloats * K * int64_t{sizeof(float)}) / 2 * 2, 2, 64);
       const int64_t span = std::max<int64_t>(kManyGroup, kManyRowBytes / (K * int64_t{sizeof(float)}) / kManyGroup * kManyGroup);
       thread_local std::vector<float> scratch;
-      scratch.resize(std::max<size_t>(scratch.size(), static_cast<size_t>(tiles * kPairedFloats * K + 16)));
-      float* pairs_at = scratch.data() + ((64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64) / sizeof(float);
+      float* pairs_at = aligned_floats(scratch, tiles * kPairedFloats * K);
       for (int64_t m0 = 0; m0 < M; m0 += span) {
         const int64_t rows = std::min(span, M - m0), full = rows / kManyGroup * kManyGroup;
         for (int64_t t0 = 0; t0 < Q; t0 += tiles) {

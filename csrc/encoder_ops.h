@@ -326,8 +326,7 @@ at::Tensor encoder_attention(const at::Tensor& qkv, int64_t heads, int64_t block
     // rows of 32 or 64 floats from a 64-byte boundary: a 512-bit load or store across two cache
     // lines costs two (the AVX-512 tiles ran at 38% of the FMA peak on malloc's 16-byte alignment)
     thread_local std::vector<float> work;
-    work.resize(std::max(work.size(), static_cast<size_t>((Dh + Tr + Jr) * iq + 16)));
-    float* qp = work.data() + (16 - reinterpret_cast<uintptr_t>(work.data()) / sizeof(float) % 16) % 16;
+    float* qp = aligned_floats(work, (Dh + Tr + Jr) * iq);
     float *s = qp + Dh * iq, *ot = s + Tr * iq;
     for (int64_t i = b; i < e; ++i) {
       const int64_t rh = i / blocks, t0 = rh / heads * L, h = rh % heads, q0 = t0 + (i % blocks) * iq;
