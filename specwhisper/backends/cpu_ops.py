@@ -361,9 +361,10 @@ def lean_step(enabled: bool):
 @contextlib.contextmanager
 def without_vnni():
     """Inside this block the AVX-512 level computes the screen's products (and `linear_q8`'s) without
-    AVX512-VNNI (AVX512-BW multiply-adds, the same bits), and the AVX2 level the screen's,
-    `linear_q8`'s and the drafts' 4-bit and 2-bit heads' products without AVX-VNNI (vpmaddwd +
-    vpaddd, vpmaddubsw + vpmaddwd): tests run those paths on a CPU with VNNI."""
+    AVX512-VNNI (AVX512-BW multiply-adds, the same bits), and the AVX2 level the screen's and
+    `linear_q8`'s products of 3 rows or more and the drafts' 4-bit and 2-bit heads' without AVX-VNNI
+    (vpmaddwd + vpaddd, vpmaddubsw + vpmaddwd; 1-2 rows never use it): tests run those paths on a
+    CPU with VNNI."""
     before = _ops().set_vnni(False)
     try:
         yield
