@@ -343,12 +343,15 @@ inline void weight_prefetch(const void* p) {
 // out[i * ldo + j * os] (float) for rows i < MR of x and the tile's weight rows j < NR, which start
 // at w + j * ws: one pass over the weight tile per group of input rows. PF: also prefetch the next
 // tile (at w + next), one cache line per 16 floats, so memory streams while several rows compute.
-template <typename W, int MR, int NR, bool PF = false>
+// Part: only features k0..k1 (multiples of 32), the accumulators taken from `part` (k0 > 0) and
+// left there (k1 < K), so one tile's rows can be run a span of features at a time.
+template <typename W, int MR, int NR, bool PF = false, bool Part = false>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t ldx, const W* w, int64_t K, int64_t ws,
-                                                        int64_t next, float* out, int64_t ldo, int64_t os) {
+                                                        int64_t next, float* out, int64_t ldo, int64_t os,
+                                                        int64_t k0 = 0, int64_t k1 = 0, __m256* part = nullptr) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = Part && k0 > 0 ? part[i * NR + j] : _mm256_setzero_ps();
   // float16 weights in two-row halves (halves_tile, 4-5 input rows): both weight registers first,
   // then one input row at a time held in a register, where GCC otherwise reloads every row's
   // features once per weight row as an fma's memory operand (12 loads for 10 fmas, 7 this way),
@@ -359,8 +362,9 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
   // standalone copy of these tiles (64 MB, cold) float32 weights ran 3-6% slower this way, and
   // 2-row and 3-row tiles slower too: they keep the loop below.
   constexpr bool row_outer = NR == 2 && std::is_same<W, f16>::value;
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  int64_t k = Part ? k0 : 0;
+  const int64_t end = Part && k1 < K ? k1 : K;
+  for (; k + 8 <= end; k += 8) {
     if (PF && (k * sizeof(W)) % 64 == 0)
       for (int j = 0; j < NR; ++j) weight_prefetch<W>(w + next + j * ws + k);
     if (row_outer) {
@@ -382,6 +386,11 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
       }
     }
+  }
+  if (Part && end < K) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) part[i * NR + j] = acc[i][j];
+    return;
   }
   float sums[MR][NR];
   int i = 0;
@@ -411,9 +420,27 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t 
 // Rows m0..m0+R-1 of x (R = 4 or 5) against a tile of 4 weight rows in two passes over 2 of its
 // rows each (R x 2 accumulators + R + 1 registers: 16 for 5 rows): each weight byte is loaded once,
 // where groups of 3 + 2 rows against all 4 read the tile twice. PF: prefetch the next tile.
+//
+// Features of more than kHalvesSpan go a span at a time, both halves per span (their accumulators
+// kept in between: the same fmas in the same order, the same bits), so the rows' span stays in L1
+// for both: 5 rows of K = 2048 (an MLP's second product) are 40 KB, more than a Zen's 32 KB L1, and
+// read whole twice a tile they came from L2 at 32 bytes a cycle beside the weights.
+constexpr int64_t kHalvesSpan = 512;
 template <typename W, bool PF>
 void halves_tile(int64_t R, const float* x, int64_t K, const W* w, int64_t ws, int64_t next, float* out, int64_t ldo,
                  int64_t os) {
+  if (K > kHalvesSpan) {
+    __m256 part[2][5 * 2];
+    for (int64_t k0 = 0; k0 < K; k0 += kHalvesSpan)
+      for (int h = 0; h < 2; ++h) {
+        const W* wh = w + 2 * h * ws;
+        float* oh = out + 2 * h * os;
+        const int64_t k1 = std::min(K, k0 + kHalvesSpan);
+        if (R == 5) tile_avx2<W, 5, 2, PF, true>(x, K, wh, K, ws, next, oh, ldo, os, k0, k1, part[h]);
+        else tile_avx2<W, 4, 2, PF, true>(x, K, wh, K, ws, next, oh, ldo, os, k0, k1, part[h]);
+      }
+    return;
+  }
   for (int h = 0; h < 2; ++h) {
     const W* wh = w + 2 * h * ws;
     float* oh = out + 2 * h * os;

@@ -53,16 +53,18 @@ def test_linear_matches_reference(wdtype, K):
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_linear_output_does_not_depend_on_the_rows_tile(wdtype):
+@pytest.mark.parametrize("K", [520, 1030, 2048])
+def test_linear_output_does_not_depend_on_the_rows_tile(wdtype, K):
     """A thread's weight rows are read as four strided streams (row n shares a tile with rows a
     quarter of the range apart; the last N % 4 rows are single dot products): each output must be
     the same bits whatever rows surround it. Slices of the weight move every row to another tile,
     quarter or tail; 1 and 3 to 9 input rows take every tile shape (AVX2 and AVX-512: up to 9 rows in one group; the
-    AVX2 halves of 4-5 rows), and each row is the bits it has alone."""
+    AVX2 halves of 4-5 rows, 512 features at a time: 520 = 512 + 8, 1030 = 2 x 512 + 6, the last a
+    scalar tail, 2048 = 4 x 512), and each row is the bits it has alone."""
     gen = torch.Generator().manual_seed(11)
-    weight = torch.randn(203, 520, generator=gen).to(wdtype)
+    weight = torch.randn(203, K, generator=gen).to(wdtype)
     for M in [1, 3, 4, 5, 6, 7, 8, 9]:
-        x = torch.randn(M, 520, generator=gen)
+        x = torch.randn(M, K, generator=gen)
         for level in (2, 1):
             with cpu_ops.vector_level(level):
                 full = cpu_ops.linear(x, weight)

@@ -109,8 +109,11 @@ def test_agreement_runs_of_the_bundled_draft_match_the_engines_proposals(monkeyp
     # may differ from the float32 teacher-forced argmax
     assert abs(spec.stats.accepted - kept) <= max(2, 0.05 * len(out.tokens)), (spec.stats.accepted, kept)
     # the costs timed inside the engine (k = 1 and 2 here, to keep it short): a draft step well
-    # under a plain step, verify passes over more rows no cheaper than a plain step
+    # under a plain step, a verify pass of 2-3 rows about one (0.9-1.3 of a step on the CPUs lent
+    # to this project; one wall-clock round on a shared VM moves a ratio by +-10%, so how close to
+    # one is `bench/replay.py`'s table, not a test's): a clock on the wrong interval (a draft step,
+    # about 0.2 of a plain one) reads far outside these bounds
     monkeypatch.setattr(replay, "KS", range(1, 3))
     costs = replay.measure_costs(base, draft, [audio], rounds=1)
     assert costs["plain_s"] > 0 and len(costs["c"]) == len(costs["v"]) == 2
-    assert all(0 < c < 1 for c in costs["c"]) and all(v > 0.9 for v in costs["v"]), costs
+    assert all(0 < c < 1 for c in costs["c"]) and all(0.6 < v < 2 for v in costs["v"]), costs
