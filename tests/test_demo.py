@@ -49,7 +49,7 @@ def test_demo_prints_its_measurements_and_speculation_is_exact(capsys):
     # stderr is not a terminal here: its status lines are plain (no escape codes), phases only
     assert "\x1b[" not in captured.err and "\r" not in captured.err
     assert "loading models ..." in captured.err and "s of audio" not in captured.err
-    assert "vector level:" in out and "target-only (base)" in out
+    assert "vector level:" in out and "decode ops: " in out and "target-only (base)" in out
     assert "speculative (+ base-2l" in out and "speculative (+ tiny.en" in out
     assert "Speculative tokens (+ base-2l) identical to target-only: yes" in out
     assert "Speculative tokens (+ tiny.en) identical to target-only: yes" in out
