@@ -806,7 +806,9 @@ struct Epilogue {
 };
 
 // acc[M, N] = x[M, K] @ w[N, K]^T (float32), parallel over weight rows; `finish` (if any) applied to
-// each thread's columns in its section.
+// each thread's columns in its section. (Chunks of a quarter of a thread's share taken from a
+// shared counter instead, so a thread slowed by its memory share waits less at the section's end:
+// no faster, base's pass held to AVX2 on a Zen 4, 1 / 5 rows 3.86 / 5.35 against 3.72 / 5.26 ms.)
 template <typename W>
 void matmul_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* acc,
                  const Epilogue* finish = nullptr) {
@@ -2180,6 +2182,10 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void softmax_values_mu
 // 5 / 9 queries 0.89 / 0.84 / 0.82 / 0.83 of their time (5: 3.18 -> 2.60 ms), 16 / 40 / 140 queries
 // 0.85 of the groups' time; one query 0.997 of its own pass's time (median of five runs), so it
 // takes the chunks too. Chunks of 128 rows measured 0.85-0.87; prefetching a chunk ahead the same.
+// Not kept (2026-12-01, held to AVX2 on a Zen 4, base's whole pass alternated in one process): each
+// chunk in 4 passes of 16 dimensions with up to 6 queries' sums in registers (values512's form at
+// AVX2), each pass prefetching its cache line of the rows a chunk or 16 rows ahead: 2 / 5 rows
+// 4.24 -> 4.71 and 5.41 -> 5.70 ms (a line in 4 of each row, strided, is a slower stream).
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) void softmax_values_chunked_avx2(float* scores, int64_t ld, const int64_t* n,
                                                                           int64_t Tq, const T* v, int64_t vs,
