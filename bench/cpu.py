@@ -25,7 +25,9 @@ All systems are timed interleaved (each round takes each window through every sy
 besides the ratios of medians, the table gives paired ratios against target-only: each round's
 decode (and whole-call) seconds against target-only's in the same round, median and range over rounds.
 Each adaptive draft's proposals and target passes are listed round by round beside that round's
-paired decode ratio (0 proposals: the draft kept off that round).
+paired decode ratio (0 proposals: the draft kept off that round). The last system is target-only
+again on a second engine (the control): its paired ratio against the first says what the order of
+the calls and the machine's noise alone make of a ratio that should read 1.00.
 CTranslate2 runs in a worker process (bench/ct2_worker.py): its OpenMP runtime and PyTorch's in
 one process contend for the cores and slowed both by ≈ 40% on 2 cores.
 
@@ -373,6 +375,9 @@ def profile_step(engine: Engine, mel: torch.Tensor) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
+CONTROL = "specwhisper target-only, a second engine (control)"
+
+
 def end_to_end(systems: list[tuple], mels, repeats: int) -> list[dict]:
     """Every system's whole call per window, interleaved window by window (each round takes each
     window in turn through every system, so the calls compared are seconds apart and a slow spell
@@ -551,6 +556,8 @@ def main() -> None:
             systems.append((label, ours(e, k, label), our_encoder(e), f32))
     bf16 = Engine(base, dtype=torch.bfloat16)
     systems.append(("specwhisper bfloat16 target-only", ours(bf16), our_encoder(bf16)))
+    control = Engine(base)  # the same system as the first, last in the order: the noise control
+    systems.append((CONTROL, ours(control), our_encoder(control), f32))
     runs = end_to_end(systems, mels, args.repeats)
     ct2.close()
     ct2_int8.close()
