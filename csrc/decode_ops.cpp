@@ -343,8 +343,9 @@ inline void weight_prefetch(const void* p) {
 // out[i * ldo + j * os] (float) for rows i < MR of x and the tile's weight rows j < NR, which start
 // at w + j * ws: one pass over the weight tile per group of input rows. PF: also prefetch the next
 // tile (at w + next), one cache line per 16 floats, so memory streams while several rows compute.
-// Part: only features k0..k1 (multiples of 32), the accumulators taken from `part` (k0 > 0) and
-// left there (k1 < K), so one tile's rows can be run a span of features at a time.
+// Part: only features k0..k1 (k0 a multiple of 32: the prefetches fall on the same lines as over
+// all of K), the accumulators taken from `part` (k0 > 0) and left there (k1 < K), so one tile's
+// rows can be run a span of features at a time.
 template <typename W, int MR, int NR, bool PF = false, bool Part = false>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, int64_t ldx, const W* w, int64_t K, int64_t ws,
                                                         int64_t next, float* out, int64_t ldo, int64_t os,
