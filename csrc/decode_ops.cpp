@@ -456,9 +456,16 @@ void halves_tile(int64_t R, const float* x, int64_t K, const W* w, int64_t ws, i
 // take halves_tile: base's 36 decoder linears, cold, held to AVX2 on a Zen 4 EPYC, alternated in
 // one process: 5 rows 3.79 -> 3.18 ms (1 row 2.86), 4 rows 3.48 -> 3.25. Attention's 64-feature
 // keys keep the 4-row tiles (the halves' one-register sums made 5 queries 1.84 -> 2.13 ms there).
+// 2-3 rows whose streams are prefetched non-temporally (AMD) take no software prefetch: their
+// arithmetic is light, and the hardware prefetchers alone stream faster than beside the next
+// tile's prefetchnta. Base's whole pass held to AVX2 on a Zen 4, alternated in one process (four
+// runs): 2 rows 3.65 -> 3.49, 3.43 -> 3.34, 4.27 -> 4.06, 3.86 -> 3.66 ms; 3 rows -1.6 / -1.7 / -2.4
+// / +3.7%. 4-5 rows keep it (without it 5 rows 5.28 -> 5.58 and 5.70 -> 6.05 ms), as do the
+// AVX-512 tiles (2 rows without it 3.95 -> 4.32 ms) and Intel's prefetches to L2 (not measured).
 template <typename W, int NR>
 void rows_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t ws, int64_t next, float* out, int64_t ldo,
                int64_t os, bool more, bool halves = true) {
+  if (M <= 3 && !g_stream_l2) more = false;
   int64_t m = 0;
   if (NR == 4 && K >= 128 && halves)
     for (int64_t R; M - m >= 4; m += R, more = false) {
