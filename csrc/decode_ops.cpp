@@ -214,9 +214,6 @@ int g_level_limit = 2;
 int vector_level() { return std::min(detected_level(), g_level_limit); }
 bool has_avx2() { return vector_level() >= 1; }
 
-// ------------------------------------------------------------------ scalar twins
-// The scalar path reproduces the vector path's operation order exactly: 8 lane accumulators,
-// the same pairwise horizontal sum, then the tail.
 // n floats from a 64-byte boundary in a caller's (thread_local) buffer, grown as needed: a 512-bit
 // load or store across two cache lines costs two.
 inline float* aligned_floats(std::vector<float>& buffer, int64_t n) {
@@ -224,6 +221,9 @@ inline float* aligned_floats(std::vector<float>& buffer, int64_t n) {
   return buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
 }
 
+// ------------------------------------------------------------------ scalar twins
+// The scalar path reproduces the vector path's operation order exactly: 8 lane accumulators,
+// the same pairwise horizontal sum, then the tail.
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 inline float widen(f16 v) { return static_cast<float>(v); }
