@@ -584,6 +584,23 @@ def test_cold_plain_steps_do_not_set_the_unit_of_the_costs():
     assert abs(rule.cost_ratio - 0.1) < 1e-9 and abs(rule.verify_ratio[3] - 1.4) < 0.01
 
 
+def test_a_stalled_first_timed_plain_pass_moves_the_unit_at_most_first_plain_span():
+    """The first timed plain pass replaces the calibrated one (rows needing full logits pass about
+    twice as slowly), but within FIRST_PLAIN_SPAN of it: a step stalled 50x (a busy machine) must
+    not make a draft's encoder of 100 passes read cheap enough to probe; later passes follow."""
+    from specwhisper.engine.draft_length import DraftLength
+
+    for stall, expected in ((50.0, DraftLength.FIRST_PLAIN_SPAN), (2.0, 2.0), (1 / 50, 1 / DraftLength.FIRST_PLAIN_SPAN)):
+        rule = DraftLength(None)
+        rule.calibrate(plain_seconds=1e-3, verify_ratio=[1.0] * 10, cost_ratio=0.5, setup_seconds=0.1)
+        assert rule.setup == 100.0 and not rule.setup_is_cheap()
+        rule.window_steps = rule.COLD_STEPS  # past the untimed cold steps
+        rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=stall * 1e-3)
+        assert rule.plain_timed and abs(rule.plain_pass - expected * 1e-3) < 1e-12, (stall, rule.plain_pass)
+        assert abs(rule.setup - 100.0 / expected) < 1e-9  # the setup keeps its seconds
+        assert not rule.setup_is_cheap()
+
+
 def test_draft_length_rule():
     """The adaptive rule: long runs for a cheap, accurate draft; off once speculative iterations
     emit fewer tokens per second than plain steps, with sparse k = 1 probes; fixed k stays fixed."""

@@ -157,6 +157,9 @@ class DraftLength:
     # at an engine's first step it was 3.72 ms (4.01 in another run) for 12 windows whose plain
     # steps took 3.0 (2.5), so verify rows and tiny.en's draft steps read 20-40% cheaper
     COLD_STEPS = 3
+    # how far the first timed plain pass may move the calibrated one (`_new_plain_pass`): rows
+    # that need full logits pass about twice as slowly as the calibration's screened head
+    FIRST_PLAIN_SPAN = 4.0
     # extra verify cost v(r) - 1 below which a pass's rows count as free (`_new_verify_ratio`)
     FLAT = 0.02
     # while on, every EXPLORE-th speculative iteration drafts one more token than the best k, or one
@@ -299,7 +302,15 @@ class DraftLength:
         the plain greedy path (screened head): rows that need full logits (long-form: timestamp
         rules, log-probabilities) pass about twice as slowly on a CPU. Costs kept in plain passes
         (the draft step c, its setup) keep their seconds: they are rescaled with the unit."""
-        new = seconds if not self.plain_timed or self.plain_pass is None else self._follow(self.plain_pass, seconds)
+        if self.plain_pass is None:
+            new = seconds
+        elif not self.plain_timed:
+            # within FIRST_PLAIN_SPAN of the calibrated pass: a stalled first timed step would
+            # otherwise set the unit of every cost for long (on a CI machine, unclipped, one made a
+            # test draft's encoder of 100 passes read cheap enough to probe, CHEAP_SETUP)
+            new = min(max(seconds, self.plain_pass / self.FIRST_PLAIN_SPAN), self.plain_pass * self.FIRST_PLAIN_SPAN)
+        else:
+            new = self._follow(self.plain_pass, seconds)
         if self.plain_pass:
             # a draft as large as the target (calibrated at c >= 1) stays no cheaper than a pass
             self.cost_ratio = max(self.cost_ratio * self.plain_pass / new, self.cost_floor)
