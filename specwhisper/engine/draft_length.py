@@ -298,9 +298,10 @@ class DraftLength:
         return self.DECAY * estimate + (1 - self.DECAY) * sample
 
     def _new_plain_pass(self, seconds: float) -> None:
-        """A plain pass timed in an iteration. The first replaces the calibration's, which timed
-        the plain greedy path (screened head): rows that need full logits (long-form: timestamp
-        rules, log-probabilities) pass about twice as slowly on a CPU. Costs kept in plain passes
+        """A plain pass timed in an iteration. The first replaces the calibration's (clipped to
+        within FIRST_PLAIN_SPAN of it), which timed the plain greedy path (screened head): rows
+        that need full logits (long-form: timestamp rules, log-probabilities) pass about twice as
+        slowly on a CPU. Costs kept in plain passes
         (the draft step c, its setup) keep their seconds: they are rescaled with the unit."""
         if self.plain_pass is None:
             new = seconds
