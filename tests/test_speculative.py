@@ -599,6 +599,9 @@ def test_a_stalled_first_timed_plain_pass_moves_the_unit_at_most_first_plain_spa
         assert rule.plain_timed and abs(rule.plain_pass - expected * 1e-3) < 1e-12, (stall, rule.plain_pass)
         assert abs(rule.setup - 100.0 / expected) < 1e-9  # the setup keeps its seconds
         assert not rule.setup_is_cheap()
+        first = rule.plain_pass  # later passes follow (`_follow`: clipped to 2x, DECAY)
+        rule.update(0, [0], [False], draft_seconds=0.0, verify_seconds=50 * first)
+        assert abs(rule.plain_pass - (rule.DECAY + (1 - rule.DECAY) * 2) * first) < 1e-12
 
 
 def test_draft_length_rule():

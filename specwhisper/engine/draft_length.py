@@ -291,25 +291,30 @@ class DraftLength:
         t, s = current if current is not None else (0.0, 0.0)
         return self.DECAY * t + tokens, self.DECAY * s + seconds
 
+    @staticmethod
+    def _within(sample: float, estimate: float, span: float = 2.0) -> float:
+        """`sample` clipped to within `span` times `estimate`, either way."""
+        return min(max(sample, estimate / span), estimate * span)
+
     def _follow(self, estimate: float, sample: float) -> float:
         """A running estimate moved toward `sample`, clipped to within 2x of the estimate (a busy
         moment of a shared machine must not switch speculation at once)."""
-        sample = min(max(sample, estimate / 2), estimate * 2)
+        sample = self._within(sample, estimate)
         return self.DECAY * estimate + (1 - self.DECAY) * sample
 
     def _new_plain_pass(self, seconds: float) -> None:
         """A plain pass timed in an iteration. The first replaces the calibration's (clipped to
         within FIRST_PLAIN_SPAN of it), which timed the plain greedy path (screened head): rows
         that need full logits (long-form: timestamp rules, log-probabilities) pass about twice as
-        slowly on a CPU. Costs kept in plain passes
-        (the draft step c, its setup) keep their seconds: they are rescaled with the unit."""
+        slowly on a CPU. Costs kept in plain passes (the draft step c, its setup) keep their
+        seconds: they are rescaled with the unit."""
         if self.plain_pass is None:
             new = seconds
         elif not self.plain_timed:
             # within FIRST_PLAIN_SPAN of the calibrated pass: a stalled first timed step would
             # otherwise set the unit of every cost for long (on a CI machine, unclipped, one made a
             # test draft's encoder of 100 passes read cheap enough to probe, CHEAP_SETUP)
-            new = min(max(seconds, self.plain_pass / self.FIRST_PLAIN_SPAN), self.plain_pass * self.FIRST_PLAIN_SPAN)
+            new = self._within(seconds, self.plain_pass, self.FIRST_PLAIN_SPAN)
         else:
             new = self._follow(self.plain_pass, seconds)
         if self.plain_pass:
@@ -333,7 +338,7 @@ class DraftLength:
         calibration's line, scaled to it (what a pass's extra rows cost moves with the machine's
         memory phase: v(5) read 2.0 in one minute and 1.3 in another), or, where the calibration
         is flat (a GPU), stay as they are."""
-        sample = min(max(sample, self.verify_ratio[rows] / 2), self.verify_ratio[rows] * 2)
+        sample = self._within(sample, self.verify_ratio[rows])
         self.row_sum = [self.RUN_DECAY * x for x in self.row_sum]
         self.row_weight = [self.RUN_DECAY * w for w in self.row_weight]
         self.row_sum[rows] += sample
