@@ -10,8 +10,9 @@ first miss), so one teacher-forced pass per window gives every k's outcome. The 
 engine: a plain step, and per fixed k the draft steps and the verify pass, each timed inside the
 engine on the same windows (or `--costs FILE`, JSON of such a run). Each replayed engine then gets
 per-pass timing noise (`--noise`, a coefficient of variation) and slow phases shared by every pass
-(`--phase`, an AR(1) in log time), and the controller decides from those noisy timings as in the
-engine (the rule's own code, driven as `engine.speculation` drives it for one row).
+(`--phase`, an AR(1) in log time over the modelled time), and the controller decides from those noisy
+timings as in the engine (the rule's own code, driven as `engine.speculation` drives it for one row);
+its speed is against plain steps in the same phases.
 
 A draft with its own encoder (tiny.en drafting base) pays a setup, its encoder pass, in each window
 where it starts (timed in the engine, `Drafter.encode`), and a probe never pays it, as in the engine.
@@ -177,30 +178,51 @@ def run_length(match: list[bool], t: int) -> int:
     return n
 
 
+class Phases:
+    """Slow phases shared by every pass, as a function of the modelled time (in plain steps): an
+    AR(1) in log time advanced once per plain step's worth of time (`rho`), so every rule replayed
+    with one seed meets the same phases at the same moments, and so does plain decoding (the
+    speeds `replay` reports are against plain steps in the same phases). `split` mixes in the
+    draft side's own phase. Drawn per pass instead (the phase a function of how many passes ran),
+    rules that ran different passes met different phases, and a speed against unphased plain steps
+    read the phases themselves: a mean slowdown of exp(phase² / 2), 4.6% at 0.3, in every rule."""
+
+    def __init__(self, seed: int, phase: float, rho: float, split: float):
+        self.rnd, self.phase, self.rho, self.split = random.Random(f"phases {seed}"), phase, rho, split
+        self.state, self.t = [0.0, 0.0], 0.0
+
+    def at(self, t: float) -> tuple[float, float]:
+        """(the target's factor, the draft side's own factor) at time t (non-decreasing)."""
+        while self.phase and self.t < t:
+            for i in (0, 1):
+                self.state[i] = self.rho * self.state[i] + math.sqrt(1 - self.rho ** 2) * self.rnd.gauss(0.0, self.phase)
+            self.t += 1.0
+        own = math.exp(self.split * (self.state[1] - self.state[0])) if self.split else 1.0
+        return math.exp(self.state[0]), own
+
+
 def replay(runs, costs: dict, k: int | None, rounds: int = 3, seed: int = 0, noise: float = 0.0,
            phase: float = 0.0, rho: float = 0.98, rule_class=DraftLength,
            split: float = 0.0) -> tuple[float, list[int]]:
     """Decode `runs` (`agreement_runs`) `rounds` times with fixed `k` or the adaptive rule (k None)
-    -> (speed against plain steps, iterations at each k). The first token of a window comes from
-    the prompt pass, as in the engine; a draft never proposes past the window's last token. A
-    draft with a setup (`costs["setup"]` plain steps: its own encoder) pays it in each window where
-    it starts, charged to the rule, and a probe does not start it.
+    -> (speed against plain steps in the same phases, iterations at each k). The first token of a
+    window comes from the prompt pass, as in the engine; a draft never proposes past the window's
+    last token. A draft with a setup (`costs["setup"]` plain steps: its own encoder) pays it in
+    each window where it starts, charged to the rule, and a probe does not start it.
     split: the share of the draft side's slow phase that is its own (0: one phase for all)."""
-    rnd, state = random.Random(seed), [0.0, 0.0]
+    speed, hist = _replay(runs, costs, k, rounds, seed, noise, Phases(seed, phase, rho, split), rule_class)
+    if phase:
+        speed /= _replay(runs, costs, 0, rounds, seed, noise, Phases(seed, phase, rho, split), rule_class)[0]
+    return speed, hist
+
+
+def _replay(runs, costs: dict, k: int | None, rounds: int, seed: int, noise: float, phases: Phases,
+            rule_class) -> tuple[float, list[int]]:
+    """`replay` in `phases` -> (tokens per plain step's time, iterations at each k)."""
+    rnd = random.Random(seed)
     c = lambda j: costs["c"][j - 1]  # noqa: E731
     v = lambda j: costs["v"][j - 1]  # noqa: E731  (a pass over j + 1 rows)
     setup = costs.get("setup", 0.0)
-
-    def factor() -> float:
-        state[0] = rho * state[0] + math.sqrt(1 - rho * rho) * rnd.gauss(0.0, phase)
-        return math.exp(state[0] + rnd.gauss(0.0, noise))
-
-    def draft_phase() -> float:  # the draft side's own phase, mixed in by `split`
-        if not split:
-            return 1.0
-        state[1] = rho * state[1] + math.sqrt(1 - rho * rho) * rnd.gauss(0.0, phase)
-        return math.exp(split * (state[1] - state[0]))
-
     rule = rule_class(k)
     if k is None:  # the calibration's isolated passes: here the engine's own, 5% slower a step;
         # a setup timed over a whole 30 s window (the bench windows are ≈ 23 s)
@@ -221,18 +243,19 @@ def replay(runs, costs: dict, k: int | None, rounds: int = 3, seed: int = 0, noi
                     j = 0 if setup and rule.probing() and not rule.setup_is_cheap() else rule.k
                 j = max(0, min(j, len(match) - t))
                 hist[j] += 1
+                phase, own = phases.at(seconds)
+                f = phase * math.exp(rnd.gauss(0.0, noise))
                 if j:
                     kept = min(j, run_length(match, t))
-                    f, g = factor(), draft_phase()
                     if setup and not started:  # (the calibration warms the encoder: every start is timed)
-                        start = setup * f * g
+                        start = setup * f * own
                         seconds += start
                         if k is None:
                             rule.charge(start)
                     started = True
-                    draft_s, verify_s = j * c(j) * f * g * math.exp(rnd.gauss(0.0, noise)), v(j) * f
+                    draft_s, verify_s = j * c(j) * f * own * math.exp(rnd.gauss(0.0, noise)), v(j) * f
                 else:
-                    kept, draft_s, verify_s = 0, 0.0, factor()
+                    kept, draft_s, verify_s = 0, 0.0, f
                 t += kept + 1
                 seconds += draft_s + verify_s
                 if k is None:
