@@ -548,8 +548,8 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512(const flo
 // Two adjacent tiles (weight rows t and t + 1 of each of the 4 streams) against MR input rows:
 // 4 weight pairs x MR accumulators (24 + 4 + 1 of the 32 zmm for 6 rows), each output's chain as
 // tile512's (the same bits). `pairs(k, p)` gives the 4 pairs of features k..k+7: p[0], p[1] the first
-// tile's rows 0 and 1, 2 and 3, p[2], p[3] the second's (TilePairs: from w as read; PairedTiles:
-// widened and paired before); the features past the last 8 (K % 8) are the scalar tail from w.
+// tile's rows 0 and 1, 2 and 3, p[2], p[3] the second's (`PairedTiles`: widened and paired
+// before); the features past the last 8 (K % 8) are the scalar tail from w.
 template <typename W, int MR, typename Pairs>
 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const float* x, int64_t ldx, const Pairs& pairs,
                                                                         const W* w, int64_t K, int64_t ws, float* out,
@@ -571,19 +571,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const f
   }
 }
 
-// The pairs of two adjacent tiles from their weights as read (pair8: loads, an insert, a widening).
-template <typename W>
-struct TilePairs {
-  const W* w;  // the first tile's row 0; the second tile's rows start K later
-  int64_t K, ws;
-  __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline void operator()(int64_t k, __m512* p) const {
-    const W* v = w + K;
-    p[0] = pair8(w + k, w + ws + k), p[1] = pair8(w + 2 * ws + k, w + 3 * ws + k);
-    p[2] = pair8(v + k, v + ws + k), p[3] = pair8(v + 2 * ws + k, v + 3 * ws + k);
-  }
-};
-
-// ... and from tiles widened and paired in float32 before (`pair_tiles`: per 8 features, the zmm of
+// The pairs of two adjacent tiles, widened and paired in float32 before (`pair_tiles`: per 8 features, the zmm of
 // rows 0 and 1, then of rows 2 and 3; a tile kPairedFloats floats a feature, 64-byte aligned), so
 // each pair is one aligned load: no insert or F16C conversion on the ports the FMAs use (a 6-row
 // group against two tiles in L1, one thread of a Xeon: 66% of its FMA peak with float16 pairs read
@@ -675,9 +663,7 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const W* w, int64_t ws,
 // 0.49 -> 0.59), where it had helped adjacent rows (1.0 -> 0.7 ms).
 constexpr int64_t kManyRows = 16;           // rows from which matmul_range blocks them
 constexpr int kManyGroup = 6;               // ... in groups of this many rows (AVX-512: tile512x2)
-constexpr int64_t kManyTiles = 16;          // ... against blocks of this many tiles (AVX-512)
 constexpr int64_t kManyBytes = 96 * 1024;  // float32 features per block of rows
-bool avx512_half_width();  // (below) an AMD Zen 4: 512-bit instructions on 256-bit units
 constexpr int64_t kPairedBytes = 256 * 1024;   // full-width AVX-512: the paired float32 tiles of a block ...
 constexpr int64_t kManyRowBytes = 1024 * 1024;  // ... against rows of up to this many bytes of features
 constexpr int64_t kWidenRows = 24;  // AVX2 tiles, many rows: blocks of at least this many rows widen each tile first
@@ -724,17 +710,19 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
     // threads of a Zen 4 EPYC (GFLOP/s): 150 rows 134-150 -> 170-172, 100 rows 127-130 -> 163-166;
     // the float16 head (51865 x 512) over 100 rows 131-135 -> 154-157. The same bits.
     //
-    // With full-width AVX-512 (not a Zen 4, whose AVX-512 runs on 256-bit units) each block of tiles
-    // is first widened and paired into float32 (`pair_tiles`, at most kPairedBytes: in L2) and every
+    // Each block of tiles is first widened and paired into float32 (`pair_tiles`, at most kPairedBytes: in L2) and every
     // group of kManyGroup rows, of a span of up to kManyRowBytes of features, reads the pairs
     // (tile512x2 on PairedTiles: one aligned load a pair where float16 pairs took two loads, an insert and
     // a conversion on the FMA ports). 2 threads of a Xeon, alternated in one process 10 times, float16
     // weights (GFLOP/s): 200 x 512 x 2048 97 -> 127, 200 x 2048 x 512 112 -> 150, 200 x 512 x 1536
     // 99 -> 128, 100 x 512 x 51865 (a window's logits) 81 -> 101, 48 x 512 x 2048 98 -> 114; the
     // demo recording's target-only call 5.15 -> 4.99 s (paired 1.038x over 6 rounds: its prompt
-    // passes and logits). The same bits.
-    static const bool paired = !avx512_half_width();  // 512-bit code at AVX2's rate: the tiles as they are
-    if (paired) {
+    // passes and logits). The same bits. On an AMD Zen 4, whose AVX-512 runs on 256-bit units, the
+    // tiles had been read as they are (float16 pairs: loads, an insert, a conversion); paired they
+    // are faster there too: 2 threads, alternated in one process (GFLOP/s), 1500 x 512 x 6144
+    // float16 120 -> 131 (float32 113 -> 125), 100 x 512 x 51865 109 -> 114, 200 x 2048 x 512
+    // 160 -> 165, 200 x 512 x 1536 141 -> 144, 48 x 512 x 2048 115 -> 118.
+    {
       const int64_t tiles = std::clamp<int64_t>(kPairedBytes / (kPairedFloats * K * int64_t{sizeof(float)}) / 2 * 2, 2, 64);
       const int64_t span = std::max<int64_t>(kManyGroup, kManyRowBytes / (K * int64_t{sizeof(float)}) / kManyGroup * kManyGroup);
       thread_local std::vector<float> scratch;
@@ -756,23 +744,6 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
             for (int64_t t = (gr == kManyGroup ? even : t0); t < t1; ++t)
               group512<W, false>(gr, x + g * K, K, w + (n0 + t) * K, ws, 0, acc + g * ldo + n0 + t, ldo, Q);
           }
-        }
-      }
-    } else
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t rows = std::min(block, M - m0);
-      for (int64_t t0 = 0; t0 < Q; t0 += kManyTiles) {
-        const int64_t t1 = std::min(Q, t0 + kManyTiles);
-        for (int64_t g = m0; g < m0 + rows; g += kManyGroup) {
-          const int64_t gr = std::min<int64_t>(kManyGroup, m0 + rows - g);
-          const float* xg = x + g * K;
-          int64_t t = t0;
-          if (gr == kManyGroup)
-            for (; t + 2 <= t1; t += 2) {
-              const W* wt = w + (n0 + t) * K;
-              tile512x2<W, kManyGroup>(xg, K, TilePairs<W>{wt, K, ws}, wt, K, ws, acc + g * ldo + n0 + t, ldo, Q);
-            }
-          for (; t < t1; ++t) group512<W, false>(gr, xg, K, w + (n0 + t) * K, ws, 0, acc + g * ldo + n0 + t, ldo, Q);
         }
       }
     }
@@ -3565,18 +3536,6 @@ bool set_vnni(bool enabled) {
   return before;
 }
 
-// Whether this CPU runs AVX-512 on 256-bit units (an AMD Zen 4: family 0x19 is Zen 3 and Zen 4,
-// and only Zen 4 has AVX-512), where 512-bit code has AVX2's arithmetic throughput: the encoder
-// keeps its own AVX2 attention kernel there (`cpu_ops.encoder_attention_usable`).
-bool avx512_half_width() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-  const unsigned family = ((a >> 8) & 0xf) + ((a >> 8 & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
-  return family == 0x19 && detected_level() >= 2;
-}
-
 // The vector level the ops use now: 0 scalar, 1 AVX2 + FMA, 2 AVX-512.
 int64_t current_vector_level() { return vector_level(); }
 
@@ -3611,7 +3570,6 @@ TORCH_LIBRARY(specwhisper_decode, m) {
   m.def("set_lean_step(bool enabled) -> bool");
   m.def("lean_step_calls() -> int");
   m.def("vector_level() -> int");
-  m.def("avx512_half_width() -> bool");
   m.def("encoder_attention(Tensor qkv, int heads, int block=0) -> Tensor");
   m.def("decoder_step(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, int keep=0) -> Tensor");
   m.def("draft_greedy(Tensor tokens, Tensor input_pos, Tensor token_embedding, Tensor position_embedding, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, Tensor cross_k, Tensor cross_v, int kv_len, int n_heads, float eps, Tensor final_weight, Tensor final_bias, Tensor packed, Tensor scale, Tensor weight, int candidates, Tensor? banned, int bits, Tensor next_pos, int k, float stop_margin=0., Tensor? stops=None, Tensor? idle=None) -> (Tensor, Tensor)");
@@ -3668,7 +3626,6 @@ TORCH_LIBRARY_IMPL(specwhisper_decode, CatchAll, m) { m.impl("parallel_threads",
   m.impl("set_lean_step", &set_lean_step);
   m.impl("lean_step_calls", &lean_step_calls);
   m.impl("vector_level", &current_vector_level);
-  m.impl("avx512_half_width", &avx512_half_width);
 }
 
 }  // namespace specwhisper_decode
