@@ -571,11 +571,11 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile512x2(const f
   }
 }
 
-// The pairs of two adjacent tiles, widened and paired in float32 before (`pair_tiles`: per 8 features, the zmm of
-// rows 0 and 1, then of rows 2 and 3; a tile kPairedFloats floats a feature, 64-byte aligned), so
-// each pair is one aligned load: no insert or F16C conversion on the ports the FMAs use (a 6-row
-// group against two tiles in L1, one thread of a Xeon: 66% of its FMA peak with float16 pairs read
-// as they are, 81% paired).
+// The pairs of two adjacent tiles, widened and paired in float32 before (`pair_tiles`: per 8
+// features, the zmm of rows 0 and 1, then of rows 2 and 3; a tile kPairedFloats floats a feature,
+// 64-byte aligned), so each pair is one aligned load: no insert or F16C conversion on the ports the
+// FMAs use (a 6-row group against two tiles in L1, one thread of a Xeon: 66% of its FMA peak with
+// float16 pairs read as they are, 81% paired).
 constexpr int64_t kPairedFloats = 4;
 struct PairedTiles {
   const float *a, *b;  // the two tiles' pairs
@@ -664,7 +664,7 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const W* w, int64_t ws,
 constexpr int64_t kManyRows = 16;           // rows from which matmul_range blocks them
 constexpr int kManyGroup = 6;               // ... in groups of this many rows (AVX-512: tile512x2)
 constexpr int64_t kManyBytes = 96 * 1024;  // float32 features per block of rows
-constexpr int64_t kPairedBytes = 256 * 1024;   // full-width AVX-512: the paired float32 tiles of a block ...
+constexpr int64_t kPairedBytes = 256 * 1024;   // AVX-512: the paired float32 tiles of a block ...
 constexpr int64_t kManyRowBytes = 1024 * 1024;  // ... against rows of up to this many bytes of features
 constexpr int64_t kWidenRows = 24;  // AVX2 tiles, many rows: blocks of at least this many rows widen each tile first
 
@@ -710,10 +710,10 @@ void matmul_range(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, 
     // threads of a Zen 4 EPYC (GFLOP/s): 150 rows 134-150 -> 170-172, 100 rows 127-130 -> 163-166;
     // the float16 head (51865 x 512) over 100 rows 131-135 -> 154-157. The same bits.
     //
-    // Each block of tiles is first widened and paired into float32 (`pair_tiles`, at most kPairedBytes: in L2) and every
-    // group of kManyGroup rows, of a span of up to kManyRowBytes of features, reads the pairs
-    // (tile512x2 on PairedTiles: one aligned load a pair where float16 pairs took two loads, an insert and
-    // a conversion on the FMA ports). 2 threads of a Xeon, alternated in one process 10 times, float16
+    // Each block of tiles is first widened and paired into float32 (`pair_tiles`, at most
+    // kPairedBytes: in L2) and every group of kManyGroup rows, of a span of up to kManyRowBytes of
+    // features, reads the pairs (tile512x2 on PairedTiles: one aligned load a pair where float16
+    // pairs took two loads, an insert and a conversion on the FMA ports). 2 threads of a Xeon, alternated in one process 10 times, float16
     // weights (GFLOP/s): 200 x 512 x 2048 97 -> 127, 200 x 2048 x 512 112 -> 150, 200 x 512 x 1536
     // 99 -> 128, 100 x 512 x 51865 (a window's logits) 81 -> 101, 48 x 512 x 2048 98 -> 114; the
     // demo recording's target-only call 5.15 -> 4.99 s (paired 1.038x over 6 rounds: its prompt

@@ -21,8 +21,9 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
   medians 1.028–1.063 over 30 alternated windows; README); two Zen 4 cores (the kernel's AVX2
   tiles), 0.462 against 0.535 s for the whole encoder (paired median 1.15), and the 512-bit tiles
   paired 1.048× faster again there (AVX-512 on 256-bit units); with full-width AVX-512 (an Intel
-  Xeon: 64-query items on 6 × 64 tiles of 512-bit registers, the same bits) a layer 1.41× faster than the flash kernel, paired over 20
-  alternations (22.2 against 31.5 ms; 6 × 32 tiles: 1.27×), the whole encoder paired 1.089×
+  Xeon: 64-query items on 6 × 64 tiles of 512-bit registers, the same bits) a layer 1.41× faster
+  than the flash kernel, paired over 20 alternations (22.2 against 31.5 ms; 6 × 32 tiles: 1.27×),
+  the whole encoder paired 1.089×
   over 24 alternated passes and 1.092× in `bench/cpu.py`; a draft's block-local layers
   (`Whisper.local_encoder`) run it on each run of positions (tiny.en's draft: 750 pooled positions
   in runs of 75, 6 heads, two Zen 4 cores: 0.79 against 1.46 ms a layer for the flash kernel and its
