@@ -153,3 +153,19 @@ def test_the_peak_binary_measures_fmas_and_the_screens_multiply_adds(tmp_path):
     fma = encoder_bench.fma_peak(binary, 1, 0.05)
     madd = encoder_bench.fma_peak(binary, 1, 0.05, kind="madd16")
     assert all(1 < x < 300 for x in fma + madd), (fma, madd)  # G operations a second, one thread
+
+
+def test_verify_parts_times_each_part_at_every_row_count(tmp_path):
+    """bench/verify_parts.py: the projections, cross attention and head, each timed at one row and
+    at the verify rows asked for, as positive medians (a tiny random checkpoint, one round)."""
+    import verify_parts  # bench/verify_parts.py
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+    from specwhisper.backends import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the C++ decode ops are not available here")
+    engine = Engine(make_checkpoint(tmp_path / "m", d_model=64, decoder_layers=2), background=False)
+    out = verify_parts.measure(engine, rows=[3, 5], rounds=1, flush_mb=1)
+    assert set(out) == {"projections", "cross attention", "head"}
+    assert all(set(t) == {1, 3, 5} and all(s > 0 for s in t.values()) for t in out.values())
