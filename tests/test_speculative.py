@@ -338,6 +338,31 @@ def test_a_draft_encoder_without_amx_takes_int8_projections(target, drafts, monk
     assert cpu_ops.bf16_draft_encoder()
 
 
+@pytest.mark.parametrize("variable", ["DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"])
+def test_no_bfloat16_arithmetic_where_onednn_is_held_below_it(variable, monkeypatch):
+    """torch's bfloat16 GEMMs are oneDNN's: held to AVX2 (or AVX-512 without BF16) they run without
+    bfloat16 dot products, 16x slower for tiny.en's draft encoder, so a CPU with AVX512-BF16 or AMX
+    then counts as one without (a draft's encoder in int8, a bfloat16 model's encoder in float32)."""
+    from specwhisper.backends import cpu_ops
+
+    monkeypatch.delenv("SPECWHISPER_NO_BF16", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    cpu_ops.native_bf16.cache_clear()
+    try:
+        assert cpu_ops.native_bf16() and cpu_ops.bf16_draft_encoder()
+        for isa, bf16 in [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_VNNI", False),
+                          ("AVX512_CORE_BF16", True), ("AVX512_CORE_AMX", True), ("ALL", True)]:
+            monkeypatch.setenv(variable, isa)
+            cpu_ops.native_bf16.cache_clear()
+            assert cpu_ops.native_bf16() == bf16 and cpu_ops.bf16_draft_encoder() == bf16, isa
+            assert cpu_ops.kernel_holds()[variable] == isa
+    finally:
+        monkeypatch.undo()
+        cpu_ops.native_bf16.cache_clear()
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_max_new_tokens_cut_inside_a_run(k, target, mels, reference):
     engine = Engine(target, target)
@@ -451,6 +476,13 @@ def test_measured_costs_are_kept_on_disk_per_machine_and_pair(target, drafts, me
     own.drafter.draft.model.encoder.pool_positions = 1
     assert own.drafter.costs_key("cpu", torch.float32) != key
     assert first.drafter.costs_key("cpu", torch.float32)["draft_encoder"] is None  # the target's encoder
+    # kernels held to another instruction set (an AVX2-only CPU measured on a wider one) run at
+    # other speeds: costs measured natively are not read back there
+    native = first.drafter.costs_key("cpu", torch.float32)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    held = first.drafter.costs_key("cpu", torch.float32)
+    assert held != native and held["holds"] == {**native["holds"], "DNNL_MAX_CPU_ISA": "AVX2"}
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
     monkeypatch.setenv("SPECWHISPER_COSTS_DIR", "off")
     shutil.rmtree(folder)
     run()

@@ -501,11 +501,30 @@ def bf16_draft_encoder() -> bool:
     return native_bf16() and bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
+# environment variables that hold a kernel library below the CPU's widest instructions (measuring
+# an AVX2-only CPU on a wider one): what a pass costs depends on them (`Drafter.costs_key`)
+KERNEL_HOLDS = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                "FBGEMM_ENABLE_INSTRUCTIONS", "SPECWHISPER_VECTOR_LEVEL", "SPECWHISPER_NO_BF16")
+# oneDNN's instruction sets (its names for DNNL_MAX_CPU_ISA) without bfloat16 dot products
+DNNL_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def kernel_holds() -> dict[str, str]:
+    """The `KERNEL_HOLDS` set in this process's environment (name: value)."""
+    return {name: os.environ[name] for name in KERNEL_HOLDS if os.environ.get(name)}
+
+
 @functools.cache
 def native_bf16() -> bool:
     """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX) that torch's GEMMs use: a
-    draft's encoder and cross K/V then run in bfloat16 (about 3-4x faster than float32 here)."""
+    draft's encoder and cross K/V then run in bfloat16 (about 3-4x faster than float32 here). Not
+    where oneDNN, which runs torch's bfloat16 GEMMs, is held below it (DNNL_MAX_CPU_ISA=AVX2 or
+    ONEDNN_MAX_CPU_ISA): there tiny.en's bfloat16 encoder took 730 ms a window where its int8 one
+    takes 46 (2 threads of an Intel Xeon with AMX), and drafting with it made calls 2x slower."""
     if os.environ.get("SPECWHISPER_NO_BF16", "") not in ("", "0"):
+        return False
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    if held.strip().upper() in DNNL_WITHOUT_BF16:
         return False
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

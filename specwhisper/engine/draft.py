@@ -249,7 +249,7 @@ class Drafter:
         takes 5.6-6.5 s here). Read back, they are where the adaptive k starts; the iterations refine
         them as before (the first timed plain pass replaces the plain pass's time). Measured anew when
         anything in `costs_key` changes (the checkpoints' files, the CPU, the threads, the
-        versions) or the file cannot be read."""
+        versions, the kernels' instruction sets held by the environment) or the file cannot be read."""
         folder = costs_folder()
         key = self.costs_key(device, dtype) if folder is not None else None
         if key is None:
@@ -286,7 +286,8 @@ class Drafter:
                     threads=torch.get_num_threads(), dtype=str(dtype), target=models[0], draft=models[1],
                     compact=bool(self.draft.model.decoder.compact), shared_encoder=self.shared_encoder,
                     head_tokens=self.head_tokens, cross_pool=self.cross_pool(dtype),
-                    native_bf16=cpu_ops.native_bf16(), draft_encoder=self.encoder_arrangement())
+                    native_bf16=cpu_ops.native_bf16(), draft_encoder=self.encoder_arrangement(),
+                    holds=cpu_ops.kernel_holds())
 
     def encoder_arrangement(self) -> dict | None:
         """How a draft's own encoder runs (None: it shares the target's): the setup cost kept with

@@ -50,10 +50,10 @@ def vector_level() -> str:
         pass
     levels = [name for name, flag in (("avx2", "avx2"), ("avx512", "avx512f"), ("avx512-bf16", "avx512_bf16"),
                                       ("amx", "amx_tile")) if flag in flags]
-    held = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS",
-                                                    "CT2_FORCE_CPU_ISA", "SPECWHISPER_VECTOR_LEVEL", "SPECWHISPER_NO_BF16")
-            if os.environ.get(v)]
     from ..backends import cpu_ops
+
+    holds = dict(cpu_ops.kernel_holds(), **{v: os.environ[v] for v in ("CT2_FORCE_CPU_ISA",) if os.environ.get(v)})
+    held = [f"{name}={value}" for name, value in holds.items()]
 
     ops = ("decode ops: " + ("scalar", "AVX2", "AVX-512")[min(cpu_ops._ops().vector_level(), 2)] + ", "
            if cpu_ops.available() else "decode ops: off (PyTorch ops), ")
