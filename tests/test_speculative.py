@@ -1142,6 +1142,32 @@ def test_the_first_timed_draft_start_replaces_the_calibrated_setup_where_lower()
     assert fixed.setup == 0.0
 
 
+def test_two_draft_starts_in_a_row_beyond_the_clip_set_the_setup_at_once():
+    """One start timed more than twice the estimate is a busy moment, followed a tenth of the way
+    (clipped); a second in a row is a change (a calibration read back from another arrangement):
+    the estimate takes the lower of the two. Starts within the clip in between break the run."""
+    from specwhisper.engine.draft_length import DraftLength
+
+    rule = DraftLength(None)
+    rule.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.3, setup_seconds=10.0)
+    rule.charge(100.0)  # beyond 2 x 10: clipped to 20, a tenth of the way
+    assert abs(rule.setup - 11.0) < 1e-9
+    rule.charge(15.0)  # within the clip: the run of high starts ends
+    assert abs(rule.setup - 11.4) < 1e-9
+    rule.charge(100.0)
+    assert abs(rule.setup - (0.9 * 11.4 + 0.1 * 22.8)) < 1e-9
+    rule.charge(80.0)  # the second in a row: the lower of the two
+    assert rule.setup == 80.0
+    rule.charge(90.0)  # within 2x of the new estimate: followed again
+    assert abs(rule.setup - 81.0) < 1e-9
+    low = DraftLength(None)  # starts far below the estimate keep the tenth (after the first timed)
+    low.calibrate(plain_seconds=1.0, verify_ratio=[1.0] * 10, cost_ratio=0.3, setup_seconds=40.0)
+    low.charge(30.0)
+    low.charge(5.0)
+    low.charge(5.0)
+    assert abs(low.setup - (0.9 * 28.5 + 0.1 * 28.5 / 2)) < 1e-9  # 30, then 0.9 * 30 + 0.1 * 15 = 28.5
+
+
 def test_the_first_finished_window_replaces_the_prior_tokens_a_window():
     """The running tokens a window (which spreads a draft's setup) starts from a prior of 64; the
     first finished window's count replaces it, as the first timed start replaces the calibrated
