@@ -42,7 +42,8 @@ class DraftLength:
       over the tokens its window has yet to generate: s = setup / max(W − g, W / 8), W the running
       number of tokens per window, g those its window has generated (`generated`, set by the
       engine), the setup in plain passes too (timed beside one, so a busy spell does not shift
-      the balance). Once
+      the balance; followed as every running cost, but two starts in a row timed beyond twice the
+      estimate set it to the lower of them: a changed cost, not a busy moment). Once
       every live row's draft has started (`paid`: the setup of their windows is spent), s is 0:
       whether to go on drafting in those windows depends only on what the drafting costs from
       there on.
