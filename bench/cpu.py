@@ -311,13 +311,16 @@ def window_setup(engine: Engine, mel: torch.Tensor, repeats: int) -> dict:
                 prompt_rows=P)
 
 
-def engine_split(engine: Engine, mels, repeats: int) -> dict:
+def engine_split(engine: Engine, mels, repeats: int, draft: bool = False) -> dict:
     """Where a target-only call's seconds go, timed inside the engine's own calls (the runner's
     methods wrapped; medians over `repeats` rounds of one call per window): the encoder, the steps
     (`verify_step`: blocks, head, token choice), the admission (cross K/V, prompt pass, first
     token) and the rest (host loop, bookkeeping: each round's call less its parts), with the tokens
-    decoded."""
-    runner, parts = engine.runner, ("encode_windows", "verify_step", "admit")
+    decoded. `draft`: an engine with a draft (adaptive k), whose draft steps (`draft`) and draft
+    starts (`start_drafts`: its own encoder pass or the target's K/V copied, its prompt) are timed
+    too; `verify_step` then times its verify passes and plain steps together."""
+    runner = engine.runner
+    parts = ("encode_windows", "verify_step", "admit") + (("draft", "start_drafts") if draft else ())
     acc = dict.fromkeys(parts, 0.0)
 
     def wrap(name):
@@ -349,6 +352,18 @@ def engine_split(engine: Engine, mels, repeats: int) -> dict:
         for name in parts:
             delattr(runner, name)
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
+def interleaved_splits(engines: dict, mels, repeats: int) -> dict:
+    """{name: engine_split of that engine} with the engines' rounds interleaved (each round one
+    call per window of every engine, the order reversed every other round; medians over rounds),
+    so a slow phase of a shared machine hits every engine alike."""
+    rounds = {name: [] for name in engines}
+    names = list(engines)
+    for i in range(repeats):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            rounds[name].append(engine_split(engines[name], mels, 1, draft=name != "target-only"))
+    return {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in rounds.items()}
 
 
 def step_in_thread(engine: Engine, mel: torch.Tensor, repeats: int, rounds: int = 3) -> tuple[float, float]:
@@ -559,8 +574,9 @@ def main() -> None:
         drafts["distilled"] = (args.distilled, None)
         if args.draft_head_tokens:
             drafts[f"distilled/head{args.draft_head_tokens}"] = (args.distilled, args.draft_head_tokens)
+    draft_engines = {}
     for name, (folder, head_tokens) in drafts.items():
-        e = Engine(base, folder, draft_head_tokens=head_tokens)
+        e = draft_engines[name] = Engine(base, folder, draft_head_tokens=head_tokens)
         for k in (None, *args.k):
             label = f"specwhisper + {name} (k={k or 'adaptive'})"
             systems.append((label, ours(e, k, label), our_encoder(e), f32))
@@ -587,6 +603,9 @@ def main() -> None:
         r["wer"] = wer(texts, decode(r["tokens"]))
     result["runs"] = runs
     result["bf16_step_ms"] = 1e3 * step_times(bf16, mels[0], args.repeats * 5, rows=[1])[1]
+    # where each draft's decoding goes, inside its own adaptive calls, beside target-only's
+    split_engines = {"target-only": engine, **{n: e for n, e in draft_engines.items() if n != "self"}}
+    result["draft_split"] = interleaved_splits(split_engines, mels, args.repeats)
 
     (out_dir / "cpu.json").write_text(json.dumps(result, indent=1, default=str))
     md = markdown(result)
@@ -637,6 +656,23 @@ def markdown(r: dict) -> str:
               f"{ws['cross_kv_gflop'] / ws['cross_kv_s']:.0f} GFLOP/s, encoder-side GEMM work every system does; "
               f"the prompt pass of {ws['prompt_rows']} rows, {1e3 * ws['prompt_s']:.0f} ms alone; the first token); "
               f"the rest (host loop, bookkeeping) **{rest:.2f} ms/token**."]
+    if r.get("draft_split"):
+        def per_token(sp, key):
+            return 1e3 * sp.get(key, 0.0) / sp["tokens"]
+
+        def decode_ms(sp):  # a call less its encoder and admissions, as the tables' decode
+            return per_token(sp, "call") - per_token(sp, "encode_windows") - per_token(sp, "admit")
+
+        lines += ["", "Where decoding goes, timed inside each engine's own calls (adaptive k; ms a token, "
+                  "medians of interleaved rounds; a draft's starts: its own encoder pass and cross K/V, "
+                  "or the target's K/V copied, and its prompt):", "",
+                  "| engine | target passes (steps and verify passes) | draft steps | draft starts | rest | "
+                  "decode | vs target-only |", "|---|---|---|---|---|---|---|"]
+        alone = r["draft_split"]["target-only"]
+        for name, sp in r["draft_split"].items():
+            lines.append(f"| {name} | {per_token(sp, 'verify_step'):.2f} | {per_token(sp, 'draft'):.2f} | "
+                         f"{per_token(sp, 'start_drafts'):.2f} | {per_token(sp, 'rest'):.2f} | "
+                         f"{decode_ms(sp):.2f} | {decode_ms(alone) / decode_ms(sp):.2f}× |")
     lines += ["", "| rows k+1 | " + " | ".join(str(t) for t in r["verify_over_step"]) + " |",
               "|---" * (len(r["verify_over_step"]) + 1) + "|",
               "| verify / step | " + " | ".join(f"{v:.2f}" for v in r["verify_over_step"].values()) + " |"]

@@ -102,6 +102,45 @@ def test_engine_split_takes_the_rest_of_each_round_from_that_round(monkeypatch):
     assert not hasattr(runner, "__dict__") or "verify_step" not in vars(runner)  # the wrappers are gone
 
 
+def test_interleaved_splits_alternate_the_engines_and_time_a_drafts_parts(monkeypatch):
+    """Each round runs every engine's calls in turn, the order reversed every other round; a
+    draft's engine also has its draft steps and draft starts timed, and its rest is what its
+    parts leave of its calls."""
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    order = []
+
+    def fake(name, costs):
+        class Runner:
+            pass
+
+        runner = Runner()
+        for part, seconds in costs.items():
+            setattr(Runner, part, lambda self, *a, seconds=seconds: clock.__setitem__(0, clock[0] + seconds))
+
+        def transcribe(mel, language):
+            order.append(name)
+            for part in costs:
+                getattr(runner, part)()
+            clock[0] += 0.25  # the host loop
+            return SimpleNamespace(tokens=[1])
+        return SimpleNamespace(runner=runner, transcribe=transcribe)
+
+    parts = dict(encode_windows=1.0, admit=0.5, verify_step=2.0)
+    engines = {"target-only": fake("target-only", parts),
+               "tiny.en": fake("tiny.en", dict(parts, verify_step=1.0, draft=0.5, start_drafts=0.125))}
+    splits = cpu.interleaved_splits(engines, mels=[0], repeats=3)
+    assert order == ["target-only", "tiny.en", "tiny.en", "target-only", "target-only", "tiny.en"]
+    assert "draft" not in splits["target-only"] and splits["target-only"]["rest"] == pytest.approx(0.25)
+    drafted = splits["tiny.en"]
+    assert drafted["draft"] == 0.5 and drafted["start_drafts"] == 0.125 and drafted["verify_step"] == 1.0
+    assert drafted["rest"] == pytest.approx(0.25) and drafted["call"] == pytest.approx(3.375)
+    assert drafted["tokens"] == 2  # a call's tokens and its EOT
+    assert all(not vars(e.runner) for e in engines.values())  # the wrappers are gone
+
+
 def test_round_sums_skip_the_warm_up_and_split_the_rounds():
     """An adaptive system's proposals per round: the first call per window is the warm-up, then
     each round's calls in turn; a count that does not fit the order is refused, not misread."""
