@@ -311,16 +311,17 @@ def window_setup(engine: Engine, mel: torch.Tensor, repeats: int) -> dict:
                 prompt_rows=P)
 
 
-def engine_split(engine: Engine, mels, repeats: int, draft: bool = False) -> dict:
+def engine_split(engine: Engine, mels, repeats: int) -> dict:
     """Where a target-only call's seconds go, timed inside the engine's own calls (the runner's
     methods wrapped; medians over `repeats` rounds of one call per window): the encoder, the steps
     (`verify_step`: blocks, head, token choice), the admission (cross K/V, prompt pass, first
     token) and the rest (host loop, bookkeeping: each round's call less its parts), with the tokens
-    decoded. `draft`: an engine with a draft (adaptive k), whose draft steps (`draft`) and draft
-    starts (`start_drafts`: its own encoder pass or the target's K/V copied, its prompt) are timed
-    too; `verify_step` then times its verify passes and plain steps together."""
+    decoded. An engine with a draft (adaptive k) also has its draft steps (`draft`) and draft starts
+    (`start_drafts`: its own encoder pass or the target's K/V copied, its prompt) timed, and
+    `verify_step` times its verify passes and plain steps together (a target-only call's draft
+    parts are never called: 0)."""
     runner = engine.runner
-    parts = ("encode_windows", "verify_step", "admit") + (("draft", "start_drafts") if draft else ())
+    parts = tuple(p for p in ("encode_windows", "verify_step", "admit", "draft", "start_drafts") if hasattr(runner, p))
     acc = dict.fromkeys(parts, 0.0)
 
     def wrap(name):
@@ -362,7 +363,7 @@ def interleaved_splits(engines: dict, mels, repeats: int) -> dict:
     names = list(engines)
     for i in range(repeats):
         for name in (names if i % 2 == 0 else names[::-1]):
-            rounds[name].append(engine_split(engines[name], mels, 1, draft=name != "target-only"))
+            rounds[name].append(engine_split(engines[name], mels, 1))
     return {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in rounds.items()}
 
 

@@ -182,7 +182,9 @@ class DraftLength:
         self.row_weight = [0.0] * (MAX_K + 2)  # ... and their decayed counts
         self.setup = 0.0  # running plain passes' worth of a row's draft start in a window
         self.setup_timed = False  # `charge` has timed a start (not only the calibration)
-        self.setup_above = None  # the last start's time where it was beyond the clip above the estimate
+        # the last start's seconds a row where they were beyond the clip above the estimate (seconds:
+        # a new plain pass rescales the costs kept in plain passes, not this)
+        self.setup_above = None
         # running tokens per finished window (prior: ≈ 25 s of speech), the first finished window's
         # count at once (`window_done`)
         self.window_tokens = 64.0
@@ -369,7 +371,7 @@ class DraftLength:
             # windows whose starts took 75-86 (bench windows of 23-25 s, AVX2-only Zen 3), which
             # kept it off at a window's start where k = 3 decoded 1.14x faster
             first_lower = not self.setup_timed and per_row < self.setup
-            above = self.setup > 0 and per_row > 2 * self.setup
+            above = self.setup > 0 and self._within(per_row, self.setup) < per_row  # clipped by `_follow`
             if not self.setup or first_lower:
                 self.setup = per_row
             elif above and self.setup_above is not None:
@@ -378,10 +380,10 @@ class DraftLength:
                 # a calibration read back under another kernel hold (tiny.en's bfloat16 encoder:
                 # 34 ms natively, 730 ms with oneDNN held to AVX2) had crept up 10% a window and
                 # kept the draft on for 10 windows at 0.51-0.55x of target-only
-                self.setup, above = min(per_row, self.setup_above), False
+                self.setup, above = min(per_row, self.setup_above / self.plain_pass), False
             else:
                 self.setup = self._follow(self.setup, per_row)
-            self.setup_above = per_row if above else None
+            self.setup_above = seconds / max(rows, 1) if above else None
             self.setup_timed = True
 
     def window_done(self, tokens: int) -> None:

@@ -52,7 +52,9 @@ def vector_level() -> str:
                                       ("amx", "amx_tile")) if flag in flags]
     from ..backends import cpu_ops
 
-    holds = dict(cpu_ops.kernel_holds(), **{v: os.environ[v] for v in ("CT2_FORCE_CPU_ISA",) if os.environ.get(v)})
+    holds = cpu_ops.kernel_holds()
+    if os.environ.get("CT2_FORCE_CPU_ISA"):  # the demo's CTranslate2 worker inherits it
+        holds["CT2_FORCE_CPU_ISA"] = os.environ["CT2_FORCE_CPU_ISA"]
     held = [f"{name}={value}" for name, value in holds.items()]
 
     ops = ("decode ops: " + ("scalar", "AVX2", "AVX-512")[min(cpu_ops._ops().vector_level(), 2)] + ", "
