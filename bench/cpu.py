@@ -98,6 +98,9 @@ AVX2_ENVIRONMENT = dict(SPECWHISPER_VECTOR_LEVEL="1", ATEN_CPU_CAPABILITY="avx2"
                         CT2_FORCE_CPU_ISA="AVX2")  # CTranslate2's own kernels (its worker inherits this)
 
 
+WHOLE_CALL_GOAL = 1.3  # the distilled draft's whole-call goal (bench/README)
+
+
 def synthesize_windows(n: int, folder: Path) -> list[tuple[np.ndarray, str]]:
     """n windows of ≈ 25 s, each sentences spoken by rotating voices -> (audio, reference text)."""
     windows, s = [], 0
@@ -353,6 +356,16 @@ def engine_split(engine: Engine, mels, repeats: int) -> dict:
         for name in parts:
             delattr(runner, name)
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
+def whole_call_bound(encoder_share: float, goal: float) -> dict:
+    """What a draft can do for a whole call when `encoder_share` of target-only's call is its encoder
+    (every system runs it alike; speculation shortens the rest): the whole call's speed-up is
+    1 / (e + (1 - e) / s) for a decode (the call less its encoder) s times faster, so at most 1 / e,
+    and `goal` needs s >= (1 - e) / (1 / goal - e) (None: beyond that ceiling)."""
+    e = encoder_share
+    need = (1 - e) / (1 / goal - e) if 1 / goal > e else None
+    return dict(ceiling=1 / e if e > 0 else float("inf"), goal=goal, decode_needed=need)
 
 
 def interleaved_splits(engines: dict, mels, repeats: int) -> dict:
@@ -657,6 +670,13 @@ def markdown(r: dict) -> str:
               f"{ws['cross_kv_gflop'] / ws['cross_kv_s']:.0f} GFLOP/s, encoder-side GEMM work every system does; "
               f"the prompt pass of {ws['prompt_rows']} rows, {1e3 * ws['prompt_s']:.0f} ms alone; the first token); "
               f"the rest (host loop, bookkeeping) **{rest:.2f} ms/token**."]
+    share = split["encode_windows"] / split["call"]
+    bound = whole_call_bound(share, WHOLE_CALL_GOAL)
+    need = (f"needs the decode (a call less its encoder, admissions included) {bound['decode_needed']:.2f}× "
+            f"faster" if bound["decode_needed"] else "is out of reach")
+    lines += ["", f"The encoder is {100 * share:.0f}% of a target-only call here, the same work in every "
+              f"system: no draft can make a whole call more than {bound['ceiling']:.2f}× faster, and "
+              f"{bound['goal']:.1f}× {need}."]
     if r.get("draft_split"):
         def per_token(sp, key):
             return 1e3 * sp.get(key, 0.0) / sp["tokens"]

@@ -165,6 +165,17 @@ def test_verify_bounds_put_the_extra_rows_arithmetic_after_or_under_the_stream()
     assert b["overlapped"] == pytest.approx({1: 1.0, 2: 1.0, 5: 1.25, 9: 2.25})
 
 
+def test_whole_call_bound_from_the_encoders_share():
+    """With half the call in the encoder a whole call is at most 2x faster; 1.3x then needs the rest
+    1.86x faster (0.5 + 0.5 / 1.857 = 1 / 1.3), and with 80% in it 1.3x is out of reach."""
+    b = cpu.whole_call_bound(0.5, 1.3)
+    assert b["ceiling"] == pytest.approx(2.0)
+    assert b["decode_needed"] == pytest.approx(0.5 / (1 / 1.3 - 0.5))
+    assert 1 / (0.5 + 0.5 / b["decode_needed"]) == pytest.approx(1.3)
+    assert cpu.whole_call_bound(0.8, 1.3)["decode_needed"] is None
+    assert cpu.whole_call_bound(0.8, 1.3)["ceiling"] == pytest.approx(1.25)
+
+
 def test_row_macs_count_a_rows_linears_attention_and_head(tmp_path):
     """Per layer: the fused q/k/v, the out projections, the cross query, the MLP; attention over
     POSITION keys and every audio position; the vocabulary once (16-bit where it is screened)."""
