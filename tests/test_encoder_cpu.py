@@ -418,6 +418,35 @@ def test_encoder_attention_bits_do_not_depend_on_threads_or_the_calling_thread()
 
 
 @needs_avx2
+def test_encoder_attention_flushes_subnormals_only_inside_and_keeps_one_hot_rows_exact():
+    """The kernel runs with flush-to-zero (weights below 2^-126 are 0: csrc/encoder_ops.h) and
+    restores the calling thread's mode: a subnormal product in torch after the call is still
+    subnormal. Rows whose other weights are all subnormal (scores 95 below the best: e^-95 ≈
+    5e-42) give exactly their best key's value, as the float64 reference does to float32 precision."""
+    from specwhisper.backends import cpu_ops
+
+    T, heads, Dh, d = 70, 2, 64, 128
+    qkv = torch.randn(T, 3 * d, generator=torch.Generator().manual_seed(11))
+    qkv[:, :Dh] = 0
+    qkv[:, 0] = 10.0  # head 0: every query 10 e_0
+    qkv[:, d:d + Dh] = 0
+    qkv[:, d] = 0.5  # keys 0.5 e_0: scores 5 ...
+    qkv[7, d] = 10.0  # ... but key 7's 100
+    tiny = torch.tensor([2.0**-126], dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = cpu_ops.encoder_attention(qkv, heads)
+            assert (tiny * 0.5).item() == 2.0**-127  # the caller's arithmetic still keeps subnormals
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out[:, :Dh], qkv[7, 2 * d:2 * d + Dh].expand(T, Dh))
+    ref = cpu_ops.encoder_attention_reference(qkv.double(), heads)
+    torch_error = (cpu_ops.encoder_attention_reference(qkv, heads).double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * max(torch_error, 1e-6)
+
+
 @needs_avx2
 @pytest.mark.parametrize("T,block,heads,head_dim", [(750, 75, 6, 64), (12, 3, 2, 64), (40, 20, 3, 20),
                                                     (66, 33, 2, 16), (64, 64, 1, 64), (7, 1, 2, 64)])
