@@ -421,8 +421,10 @@ def test_encoder_attention_bits_do_not_depend_on_threads_or_the_calling_thread()
 def test_encoder_attention_flushes_subnormals_only_inside_and_keeps_one_hot_rows_exact():
     """The kernel runs with flush-to-zero (weights below 2^-126 are 0: csrc/encoder_ops.h) and
     restores the calling thread's mode: a subnormal product in torch after the call is still
-    subnormal. Rows whose other weights are all subnormal (scores 95 below the best: e^-95 ≈
-    5e-42) give exactly their best key's value, as the float64 reference does to float32 precision."""
+    subnormal. Rows whose other weights are all subnormal (scores 87.5 below the best: e^-87.5 ≈
+    1.0e-38 < 2^-126, and so their products with the values, which come before and after the
+    best key) give exactly their best key's value, as the float64 reference does to float32
+    precision."""
     from specwhisper.backends import cpu_ops
 
     T, heads, Dh, d = 70, 2, 64, 128
@@ -430,8 +432,9 @@ def test_encoder_attention_flushes_subnormals_only_inside_and_keeps_one_hot_rows
     qkv[:, :Dh] = 0
     qkv[:, 0] = 10.0  # head 0: every query 10 e_0
     qkv[:, d:d + Dh] = 0
-    qkv[:, d] = 0.5  # keys 0.5 e_0: scores 5 ...
+    qkv[:, d] = 1.25  # keys 1.25 e_0: scores 12.5 ...
     qkv[7, d] = 10.0  # ... but key 7's 100
+    assert 0 < torch.exp(torch.tensor(12.5 - 100.0)).item() < 2.0**-126  # the weights' regime
     tiny = torch.tensor([2.0**-126], dtype=torch.float32)
     before = torch.get_num_threads()
     try:
