@@ -69,11 +69,10 @@ def speech_window(n_mels: int) -> torch.Tensor:
     base's first layer 1.8x its time on an Intel core until the attention kernel flushed them,
     never arise)."""
     from specwhisper import load_audio, log_mel_spectrogram
+    from specwhisper.audio import pad_or_trim
     from specwhisper.samples import demo_recording
 
-    audio = torch.as_tensor(load_audio(str(demo_recording()[0])))[: 30 * 16000]
-    mel = log_mel_spectrogram(audio, n_mels)[:, :3000]
-    return torch.nn.functional.pad(mel, (0, 3000 - mel.shape[-1]))[None]
+    return log_mel_spectrogram(pad_or_trim(load_audio(str(demo_recording()[0]))), n_mels)[None]
 
 
 def flash_attention(run):
