@@ -19,7 +19,8 @@ from specwhisper.model.weights import load_whisper
 from specwhisper.model.whisper import DecoderCache
 from specwhisper.samples import sample_paths
 from specwhisper.tools.distill import (DistillOptions, Example, agreement, audio_files, batch_of, cross_kv, distill,
-                                       distill_loss, init_draft_decoder, layer_choice, split_holdout,
+                                       distill_loss, draft_prompt, init_draft_decoder, layer_choice,
+                                       split_holdout,
                                        teacher_examples, teacher_forced_hidden)
 
 OPTS = DistillOptions(steps=3, batch_size=2, lr=1e-3, warmup=0, language="en", max_new_tokens=16,
@@ -415,6 +416,59 @@ def test_longform_windows_teach_with_their_own_prompts(multilingual, clips, tmp_
     monkeypatch.setattr(engine, "transcribe", no_decoding)
     again = teacher_examples(engine, audio_files(clips), tmp_path / "cache", opts, [])
     assert [(e.prompt, e.tokens, e.longform) for e in again] == [(e.prompt, e.tokens, e.longform) for e in examples]
+
+
+def test_draft_prompts_are_the_engines(multilingual, english):
+    """A long-form window's previous text is cut for the draft as the engine cuts it
+    (`Drafter.prompt`: <|startofprev|> and the last PREV_TOKENS), multilingual and English-only
+    vocabularies alike; None keeps it whole and a prompt without previous text is kept as it is."""
+    from specwhisper.engine.slots import SeqSpec
+
+    for folder, language in ((multilingual, "en"), (english, None)):
+        engine = Engine(folder, draft=folder, device="cpu")
+        tok, drafter = engine.target.tokenizer, engine.drafter
+        start = tok.sot_sequence(language, "transcribe")
+        for n_prev in (0, 1, 5, drafter.PREV_TOKENS, drafter.PREV_TOKENS + 37):
+            prompt = ([tok.sot_prev] + [100 + i for i in range(n_prev)] if n_prev else []) + start
+            spec = SeqSpec(prompt, language, "transcribe", 8, timestamps=True, sot_index=prompt.index(tok.sot))
+            assert draft_prompt(prompt, tok.sot_prev, tok.sot, OPTS.prev_tokens) == drafter.prompt(spec)
+            assert draft_prompt(prompt, tok.sot_prev, tok.sot, None) == prompt
+    assert OPTS.prev_tokens == drafter.PREV_TOKENS
+    with pytest.raises(ValueError, match="prev_tokens"):
+        DistillOptions(prev_tokens=-1)
+
+
+def test_the_draft_learns_and_is_checked_under_the_engines_prompts(multilingual, clips, tmp_path, monkeypatch):
+    """Training batches and the held-out check see each window's prompt as the engine gives it to
+    the draft (`draft_prompt`), and the setting is part of a run's fingerprint."""
+    import specwhisper.tools.distill as D
+
+    tok = Engine(multilingual, device="cpu").target.tokenizer
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(4):
+        for path in clips.iterdir():
+            shutil.copy(path, many / f"{i}-{path.name}")
+    real = D.teacher_examples
+
+    def with_previous_text(*args, **kwargs):  # every window as if 90 tokens of previous text led it
+        return [replace(e, prompt=[tok.sot_prev] + [200 + i for i in range(90)] + e.prompt)
+                for e in real(*args, **kwargs)]
+
+    seen = {"batch": [], "check": []}
+    batch, check = D.batch_of, D.agreement
+    monkeypatch.setattr(D, "teacher_examples", with_previous_text)
+    monkeypatch.setattr(D, "batch_of", lambda ex, *a, **k: seen["batch"].append(ex) or batch(ex, *a, **k))
+    monkeypatch.setattr(D, "agreement", lambda dec, ex, *a, **k: seen["check"].append(ex) or check(dec, ex, *a, **k))
+    for keep, n in ((OPTS.prev_tokens, OPTS.prev_tokens), (None, 90), (3, 3)):
+        seen = {"batch": [], "check": []}
+        distill(multilingual, many, tmp_path / f"draft{keep}", replace(OPTS, steps=2, holdout=0.25, prev_tokens=keep))
+        for kind in ("batch", "check"):
+            prompts = [e.prompt for ex in seen[kind] for e in ex]
+            assert prompts and all(p[:1] == [tok.sot_prev] and p.index(tok.sot) == n + 1 for p in prompts), kind
+            assert all(p[1:n + 1] == [200 + i for i in range(90 - n, 90)] for p in prompts)
+    with pytest.raises(ValueError, match="settings|options|differ"):  # a run is resumed with its own setting
+        distill(multilingual, many, tmp_path / "draft3", replace(OPTS, steps=3, holdout=0.25))
 
 
 def test_recordings_join_windows_and_are_held_out_whole(tmp_path):

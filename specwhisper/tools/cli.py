@@ -205,6 +205,7 @@ def cmd_distill(args) -> int:
                           bf16=args.bf16, device=args.device, kd=args.kd, holdout=args.holdout,
                           eval_every=args.eval_every, pack=not args.no_pack, ema=args.ema,
                           longform=not args.no_longform,
+                          prev_tokens=DistillOptions.prev_tokens if args.prev_tokens is None else args.prev_tokens,
                           init=None if args.init is None else str(model_folder(args.init)))
     report = distill(model_folder(args.target), args.audio, args.out, opts)
     for line in report.skipped:
@@ -250,6 +251,9 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--no-longform", action="store_true", help="learn from short-form transcripts only "
                    "(default: the audio is also transcribed as long recordings, with timestamps and "
                    "previous-text prompts, as long-form transcription and `specwhisper demo` decode)")
+    d.add_argument("--prev-tokens", type=int, default=None,
+                   help="previous-text tokens the draft's prompts keep while it learns, the last ones (default: "
+                        "as many as the engine gives a draft, 64; 224 keeps all of the target's)")
     d.add_argument("--ema", type=float, default=0.99, help="the draft is this moving average of the "
                    "trained weights (0: the last weights)")
     d.add_argument("--eval-every", type=int, default=50,

@@ -21,7 +21,10 @@ transcripts of the user's audio (self-distillation: no labels needed).
    (first and last for 2; or, with `init`, an earlier draft's decoder, to train it further on more
    audio), with the target's token/position embeddings and final layer norm, learns
    to predict the target's tokens (teacher forcing over the generated positions and EOT, prompt
-   positions excluded) with AdamW. The loss is the cross-entropy against the target's token plus
+   positions excluded) with AdamW. Its inputs are the prompts the engine gives a draft: a window's
+   previous text cut to the last `prev_tokens` (`Drafter.PREV_TOKENS`, as `Drafter.prompt` cuts
+   it), where the target decoded its labels after all of it. The loss is the cross-entropy
+   against the target's token plus
    `kd` times the cross-entropy against the target's distribution over its `top` tokens
    (renormalized): the near-misses teach more per window than the argmax alone. Frozen: the token
    embedding, which is also the tied output head (the draft scores tokens with the target's own
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..engine.draft import Drafter
 from ..model.whisper import Decoder, Whisper
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".webm", ".mp4"}
@@ -91,6 +95,9 @@ class DistillOptions:
     ema: float = 0.99  # the draft is this exponential moving average of the trained weights (0: the weights)
     longform: bool = True  # also learn from long-form decoding: timestamps and previous-text prompts (see above)
     init: str | None = None  # a draft folder (a distilled draft of this target) to start from, not target blocks
+    # previous-text tokens the draft's prompts keep in training and in the held-out check: the last
+    # ones, as the engine's drafts are prompted (`Drafter.PREV_TOKENS`; None: all the target's)
+    prev_tokens: int | None = Drafter.PREV_TOKENS
 
     def __post_init__(self):
         if self.layers < 1:
@@ -107,12 +114,15 @@ class DistillOptions:
                              f"{self.holdout}")
         if not 0 <= self.ema < 1:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.prev_tokens is not None and self.prev_tokens < 0:
+            raise ValueError(f"prev_tokens must be >= 0 or None, got {self.prev_tokens}")
 
     def fingerprint(self) -> dict:
         """What a resumed run must share with the saved one (steps and minutes may change)."""
         return {k: v for k, v in asdict(self).items() if k in ("layers", "batch_size", "lr", "warmup",
                                                                  "weight_decay", "seed", "bf16", "kd", "top",
-                                                                 "holdout", "pack", "ema", "longform", "init")}
+                                                                 "holdout", "pack", "ema", "longform", "init",
+                                                                 "prev_tokens")}
 
 
 @dataclass
@@ -359,6 +369,16 @@ def teacher_soft(target, example: Example, top: int) -> tuple[torch.Tensor, torc
     return ids.to(torch.int32).cpu(), values.clamp(min=-1e4).half().cpu()
 
 
+def draft_prompt(prompt: list[int], sot_prev: int, sot: int, keep: int | None) -> list[int]:
+    """The prompt a draft decodes with in the engine where the target decodes with `prompt`: the
+    previous text (between `sot_prev` and `sot`) cut to its last `keep` tokens, as `Drafter.prompt`
+    cuts it (None: all kept). A prompt without previous text is returned as it is."""
+    if keep is None or not prompt or prompt[0] != sot_prev or sot not in prompt:
+        return prompt
+    at = prompt.index(sot)
+    return [sot_prev] + prompt[max(1, at - keep):at] + prompt[at:]
+
+
 def split_holdout(examples: list[Example], opts: DistillOptions) -> tuple[list[Example], list[Example]]:
     """(training, held-out) windows: a seeded `holdout` share (at least one) of the recordings is
     held out, all their windows (short- and long-form) together, when there are 10 recordings or
@@ -579,6 +599,11 @@ def distill(target, audio, out, opts: DistillOptions = DistillOptions()) -> Dist
     examples = teacher_examples(engine, files, out / CACHE_DIR, opts, report.skipped)
     report.teacher_seconds = time.perf_counter() - t0
     examples, held = split_holdout(examples, opts)
+    # the draft learns (and is checked) under the prompts the engine gives it; the soft targets were
+    # taken under the target's own
+    tok = engine.target.tokenizer
+    examples, held = ([replace(e, prompt=draft_prompt(e.prompt, tok.sot_prev, tok.sot, opts.prev_tokens))
+                       for e in part] for part in (examples, held))
     report.examples, report.held_out = len(examples), len(held)
     report.longform = sum(e.longform for e in examples)
     suppress = engine.target.suppress.to(device)
