@@ -41,7 +41,7 @@ MODELS = {
 # drafts shipped in specwhisper/drafts: name -> (the fetched target it was distilled for, sha256 of
 # the bundle file <name>.safetensors)
 DRAFTS = {
-    "base-2l": ("base", "a27ba25a445fbef6cd045fd467512f0f3361a5543c98fc4c0517e983a963f5ae"),
+    "base-2l": ("base", "666e84074c1037c8a9995442c5c6a5fdfe8b9e35dc1303e8a32646a9b5f23004"),
 }
 NAMES = (*MODELS, *DRAFTS)
 
