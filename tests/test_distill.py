@@ -250,6 +250,8 @@ def test_cli(multilingual, clips, tmp_path, capsys):
     found = re.search(r"2 steps in all .* over (\d+) windows, (\d+) of them long-form\)", printed)
     assert found and int(found[1]) == 1 + int(found[2]) >= 2, printed
     assert Engine(multilingual, draft=out, device="cpu").drafter.shared_encoder
+    state = lambda folder: torch.load(folder / ".distill_state.pt", weights_only=False)  # noqa: E731
+    assert state(out)["options"]["prev_tokens"] == DistillOptions().prev_tokens == 64
 
     many = tmp_path / "many"  # 12 windows: one is held out, and its agreement is printed
     many.mkdir()
@@ -258,9 +260,10 @@ def test_cli(multilingual, clips, tmp_path, capsys):
             shutil.copy(path, many / f"{i}-{path.name}")
     assert main(["distill", "--target", str(multilingual), "--audio", str(many), "--out", str(tmp_path / "d2"),
                  "--steps", "1", "--batch-size", "2", "--language", "en", "--max-new-tokens", "8",
-                 "--device", "cpu", "--holdout", "0.1", "--no-pack", "--no-longform"]) == 0
+                 "--device", "cpu", "--holdout", "0.1", "--no-pack", "--no-longform", "--prev-tokens", "7"]) == 0
     printed = capsys.readouterr().out
     assert "held-out agreement with the target (1 of 12 windows held out)" in printed and "long-form" not in printed
+    assert state(tmp_path / "d2")["options"]["prev_tokens"] == 7
 
 
 def test_soft_targets_follow_the_labels_and_weigh_in_the_loss(multilingual, clips, tmp_path):
