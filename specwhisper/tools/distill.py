@@ -19,19 +19,18 @@ transcripts of the user's audio (self-distillation: no labels needed).
    training.
 2. *Training*: a decoder of `layers` blocks, initialized from target blocks spread over its depth
    (first and last for 2; or, with `init`, an earlier draft's decoder, to train it further on more
-   audio), with the target's token/position embeddings and final layer norm, learns
-   to predict the target's tokens (teacher forcing over the generated positions and EOT, prompt
-   positions excluded) with AdamW. Its inputs are the prompts the engine gives a draft: a window's
-   previous text cut to the last `prev_tokens` (`Drafter.PREV_TOKENS`, as `Drafter.prompt` cuts
-   it), where the target decoded its labels after all of it. The loss is the cross-entropy
-   against the target's token plus
+   audio), with the target's token/position embeddings and final layer norm, learns to predict the
+   target's tokens (teacher forcing over the generated positions and EOT, prompt positions excluded)
+   with AdamW. Its inputs are the prompts the engine gives a draft: a window's previous text cut to
+   the last `prev_tokens` (`Drafter.PREV_TOKENS`, as `Drafter.prompt` cuts it), where the target
+   decoded its labels after all of it. The loss is the cross-entropy against the target's token plus
    `kd` times the cross-entropy against the target's distribution over its `top` tokens
    (renormalized): the near-misses teach more per window than the argmax alone. Frozen: the token
    embedding, which is also the tied output head (the draft scores tokens with the target's own
    head), and the cross-attention key/value projections, whose output for each window is then
    computed once. The draft is a moving average of the trained weights (`ema`); every `eval_every`
-   steps its held-out agreement is measured, and the best draft seen is the one saved (a few
-   hundred windows are soon learned by heart: agreement peaks, then falls).
+   steps its held-out agreement is measured, and the best draft seen is the one saved (a few hundred
+   windows are soon learned by heart: agreement peaks, then falls).
 3. *Saving*: OUT becomes a Hugging Face Whisper folder (config.json with `decoder_layers`,
    model.safetensors with the target's encoder tensors copied unchanged plus the new decoder,
    tokenizer and generation config copied), which `Engine(target, draft=OUT)` recognizes as sharing
