@@ -36,6 +36,34 @@ def test_fast_path_equals_reference(encoder):
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_fast_path_with_and_without_the_fused_gelu_equals_reference(encoder, fused, monkeypatch):
+    """The GELU fused into oneDNN's products (`fused_gelu`: AVX-512) or run after them: both the
+    reference's features, and the fused product equal to the product then ATen's GELU."""
+    if fused and not torch.cpu._is_avx512_supported():
+        pytest.skip("oneDNN fuses its GELU on AVX-512 only here: this CPU has none")
+    monkeypatch.setattr(encoder_cpu, "fused_gelu", lambda: fused)
+    mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(1))
+    encoder.__dict__.pop("_packed_cpu", None)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(mel), encoder.reference(mel), rtol=1e-4, atol=1e-4)
+        g = torch.Generator().manual_seed(2)
+        x, w, b = torch.randn(300, 64, generator=g), torch.randn(96, 64, generator=g) / 8, torch.randn(96, generator=g)
+        packed = encoder_cpu.pack(w, 300), b
+        torch.testing.assert_close(encoder_cpu.linear_gelu(x, packed), torch.nn.functional.gelu(x @ w.t() + b),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("held, expected", [("AVX2", False), ("avx2_vnni", False), ("AVX512_CORE", None), ("", None)])
+def test_the_gelu_is_fused_only_where_onednn_runs_avx512(held, expected, monkeypatch):
+    """oneDNN's AVX2 erf GELU ran slower fused than ATen's after the product: held to AVX2 (or
+    on a CPU without AVX-512) the GELU stays separate."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", held)
+    avx512 = torch.cpu._is_avx512_supported()
+    assert encoder_cpu.fused_gelu() is (avx512 if expected is None else expected)
+
+
 def test_int8_projections_stay_close_to_float32(encoder):
     """A draft's encoder with int8 projections (`Whisper.int8_encoder`): features within a few
     percent of the float32 reference, and really computed another way."""

@@ -7,9 +7,9 @@ identical — tests/test_encoder_cpu.py, tests/test_real.py):
 
 - every projection is one oneDNN inner product on weights reordered once into oneDNN's blocked
   layout (`torch.ops.mkldnn._reorder_linear_weight`), with its bias or residual add fused into
-  the product's epilogue: no separate bias copy or residual add; the GELU (erf) runs in place
-  after it (ATen's GELU; oneDNN's fused erf GELU measured slower: 81 vs 90 GFLOP per CPU-second
-  for fc1 on one AVX2 thread);
+  the product's epilogue: no separate bias copy or residual add; the GELU (erf) is fused into
+  the product too where oneDNN runs its AVX-512 kernels, else runs in place after it (ATen's
+  GELU): `fused_gelu`;
 - q, k and v come from one fused product, q's 1/sqrt(head_dim) folded into its weights (exact:
   a power of two for every Whisper model, head_dim 64; an encoder whose scale is not takes the
   reference forward);
@@ -53,6 +53,7 @@ run on the means of adjacent positions (`Whisper.pool_encoder`), on either path.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -136,8 +137,8 @@ class PackedEncoder:
 
     def window(self, mel: torch.Tensor, layer_blocks) -> torch.Tensor:
         """mel [n_mels, frames] -> [frames // (2 pool), d]."""
-        x = GELU_(linear(im2col(mel.t(), 1), self.conv1))  # [frames, d]
-        x = GELU_(linear(im2col(x, 2), self.conv2))  # [frames // 2, d]
+        x = linear_gelu(im2col(mel.t(), 1), self.conv1)  # [frames, d]
+        x = linear_gelu(im2col(x, 2), self.conv2)  # [frames // 2, d]
         x = pool_rows(x.add_(self.positions[: x.shape[0]]), self.pool)
         for layer, block in zip(self.layers, layer_blocks(x.shape[0])):
             x = self.block(x, layer, block)
@@ -167,7 +168,7 @@ class PackedEncoder:
             o = o.transpose(1, 2).reshape(T, d)  # the kernel's output is [T, H, Dh] in memory: a view
         x = _linear_add(o, x, p["out"])  # x + out_proj(o)
         h = F.layer_norm(x, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps)
-        return _linear_add(GELU_(linear(h, p["fc1"])), x, p["fc2"])
+        return _linear_add(linear_gelu(h, p["fc1"]), x, p["fc2"])
 
 
 def _pack_weights(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +241,31 @@ def linear(x: torch.Tensor, packed) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, packed)
     weight, bias = packed
     return MKLDNN._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# oneDNN's instruction sets (DNNL_MAX_CPU_ISA's names) below AVX-512
+DNNL_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
+
+
+def fused_gelu() -> bool:
+    """Whether `linear_gelu` fuses the GELU into oneDNN's product: where oneDNN runs its AVX-512
+    kernels (the CPU has AVX-512 and DNNL_MAX_CPU_ISA / ONEDNN_MAX_CPU_ISA do not hold it below).
+    base's fc1 ([1500, 512] x [512, 2048]) on 2 threads of an Intel Xeon, alternated in one
+    process: 10.5-10.7 ms fused against 11.1-11.4 ms for the product and ATen's GELU after it;
+    held to AVX2 20.9-22.9 against 18.7-19.7 ms (oneDNN's AVX2 erf is the slower one), so there
+    the GELU stays separate. Whole encoders, the demo's first window, 24 alternations: base paired
+    1.029x (342 -> 335 ms), tiny.en 1.010x; features bit-identical to the separate GELU's there.
+    (Measured on Intel's full-width AVX-512; an AMD Zen 4 takes the fused path unmeasured.)"""
+    held = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return held not in DNNL_BELOW_AVX512 and bool(getattr(torch.cpu, "_is_avx512_supported", lambda: False)())
+
+
+def linear_gelu(x: torch.Tensor, packed) -> torch.Tensor:
+    """gelu(x @ weight.T + bias) (erf form), fused into oneDNN's product where `fused_gelu`."""
+    if isinstance(packed, tuple) and fused_gelu():
+        weight, bias = packed
+        return MKLDNN._linear_pointwise(x, weight, bias, "gelu", [], "none")
+    return GELU_(linear(x, packed))
 
 
 def _linear_add(x: torch.Tensor, residual: torch.Tensor, packed) -> torch.Tensor:
