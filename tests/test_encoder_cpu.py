@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +39,9 @@ def test_fast_path_equals_reference(encoder):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_fast_path_with_and_without_the_fused_gelu_equals_reference(encoder, fused, monkeypatch):
-    """The GELU fused into oneDNN's products (`fused_gelu`: AVX-512) or run after them: both the
-    reference's features, and the fused product equal to the product then ATen's GELU."""
-    if fused and not torch.cpu._is_avx512_supported():
-        pytest.skip("oneDNN fuses its GELU on AVX-512 only here: this CPU has none")
+    """The GELU fused into oneDNN's products (`fused_gelu`: AVX-512, forced here at any level) or
+    run after them: both the reference's features, and the fused product equal to the product
+    then ATen's GELU."""
     monkeypatch.setattr(encoder_cpu, "fused_gelu", lambda: fused)
     mel = torch.randn(1, encoder.conv1.in_channels, 3000, generator=torch.Generator().manual_seed(1))
     encoder.__dict__.pop("_packed_cpu", None)
@@ -50,8 +50,19 @@ def test_fast_path_with_and_without_the_fused_gelu_equals_reference(encoder, fus
         g = torch.Generator().manual_seed(2)
         x, w, b = torch.randn(300, 64, generator=g), torch.randn(96, 64, generator=g) / 8, torch.randn(96, generator=g)
         packed = encoder_cpu.pack(w, 300), b
+        real, attrs = encoder_cpu.MKLDNN._linear_pointwise, []
+
+        class Spy:  # records the fused post-op each product asks oneDNN for
+            binary = real.binary
+
+            def __call__(self, *args):
+                attrs.append(args[3])
+                return real(*args)
+
+        monkeypatch.setattr(encoder_cpu, "MKLDNN", types.SimpleNamespace(_linear_pointwise=Spy()))
         torch.testing.assert_close(encoder_cpu.linear_gelu(x, packed), torch.nn.functional.gelu(x @ w.t() + b),
                                    rtol=1e-5, atol=1e-5)
+        assert attrs == (["gelu"] if fused else ["none"])
 
 
 @pytest.mark.parametrize("held, expected", [("AVX2", False), ("avx2_vnni", False), ("AVX512_CORE", None), ("", None)])
