@@ -505,8 +505,16 @@ def bf16_draft_encoder() -> bool:
 # an AVX2-only CPU on a wider one): what a pass costs depends on them (`Drafter.costs_key`)
 KERNEL_HOLDS = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
                 "FBGEMM_ENABLE_INSTRUCTIONS", "SPECWHISPER_VECTOR_LEVEL", "SPECWHISPER_NO_BF16")
-# oneDNN's instruction sets (its names for DNNL_MAX_CPU_ISA) without bfloat16 dot products
-DNNL_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+# oneDNN's instruction sets (its names for DNNL_MAX_CPU_ISA) below AVX-512, and those without
+# bfloat16 dot products
+DNNL_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
+DNNL_WITHOUT_BF16 = DNNL_BELOW_AVX512 | {"AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def onednn_hold() -> str:
+    """The instruction set this process holds oneDNN to (ONEDNN_MAX_CPU_ISA, else DNNL_MAX_CPU_ISA;
+    upper case; "" where neither is set)."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
 
 
 def kernel_holds() -> dict[str, str]:
@@ -523,8 +531,7 @@ def native_bf16() -> bool:
     takes 46 (2 threads of an Intel Xeon with AMX), and drafting with it made calls 2x slower."""
     if os.environ.get("SPECWHISPER_NO_BF16", "") not in ("", "0"):
         return False
-    held = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    if held.strip().upper() in DNNL_WITHOUT_BF16:
+    if onednn_hold() in DNNL_WITHOUT_BF16:
         return False
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

@@ -53,7 +53,6 @@ run on the means of adjacent positions (`Whisper.pool_encoder`), on either path.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -243,10 +242,6 @@ def linear(x: torch.Tensor, packed) -> torch.Tensor:
     return MKLDNN._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# oneDNN's instruction sets (DNNL_MAX_CPU_ISA's names) below AVX-512
-DNNL_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
-
-
 def fused_gelu() -> bool:
     """Whether `linear_gelu` fuses the GELU into oneDNN's product: where oneDNN runs its AVX-512
     kernels (the CPU has AVX-512 and DNNL_MAX_CPU_ISA / ONEDNN_MAX_CPU_ISA do not hold it below).
@@ -256,8 +251,8 @@ def fused_gelu() -> bool:
     the GELU stays separate. Whole encoders, the demo's first window, 24 alternations: base paired
     1.029x (342 -> 335 ms), tiny.en 1.010x; features bit-identical to the separate GELU's there.
     (Measured on Intel's full-width AVX-512; an AMD Zen 4 takes the fused path unmeasured.)"""
-    held = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
-    return held not in DNNL_BELOW_AVX512 and bool(getattr(torch.cpu, "_is_avx512_supported", lambda: False)())
+    return (cpu_ops.onednn_hold() not in cpu_ops.DNNL_BELOW_AVX512
+            and bool(getattr(torch.cpu, "_is_avx512_supported", lambda: False)()))
 
 
 def linear_gelu(x: torch.Tensor, packed) -> torch.Tensor:
