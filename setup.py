@@ -1,8 +1,7 @@
 """Packaging glue that pyproject.toml cannot express.
 
-- `kernels/` (Triton sources) installs as the subpackage `specwhisper.kernels`; the package's own
-  subpackages by layer (`model`, `engine`, `backends`, `longform`, `serving`, `tools`) are listed
-  beside it.
+- the package's subpackages by layer (`model`, `engine`, `backends`, `longform`, `serving`, `tools`,
+  `kernels`: the Triton sources) are listed one by one.
 - `csrc/` ships as package data (`specwhisper.csrc`); the C++ extensions `specwhisper_C`
   (sampling ops, specwhisper/backends/ops.py) and `specwhisper_decode_ops` (decoder-step ops,
   specwhisper/backends/cpu_ops.py) are built just in time with ninja on first use, from the
@@ -17,7 +16,6 @@ setup(
               "specwhisper.samples", "specwhisper.drafts"],
     package_dir={
         "specwhisper": "specwhisper",
-        "specwhisper.kernels": "kernels",
         "specwhisper.csrc": "csrc",
         "specwhisper.samples": "specwhisper/samples",
         "specwhisper.drafts": "specwhisper/drafts",

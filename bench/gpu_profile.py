@@ -1,6 +1,6 @@
 """Where a large-v3 decoder step's time goes on a GPU, and what kernel fusion could buy:
 - the CUDA kernels of one eager step (torch.profiler: count, GPU time by kernel), the graphed step;
-- the graphed step on the GPU decode ops (`Whisper.fuse_decode_ops`, kernels/decode_ops.py);
+- the graphed step on the GPU decode ops (`Whisper.fuse_decode_ops`, specwhisper/kernels/decode_ops.py);
 - the graphed step with each set of torch's attention kernels;
 - one layer's six linears as torch's ops against the fused decode linear at several tilings;
 - the race-sampling kernel (chunked and one program per row) the engine's sampled steps run;
@@ -273,7 +273,7 @@ def main(argv=None) -> None:
         out["attention"] = attention
         save()
 
-    # the fused decode linear (kernels/decode_ops.py) against torch's ops for one large-v3 layer's
+    # the fused decode linear (specwhisper/kernels/decode_ops.py) against torch's ops for one large-v3 layer's
     # six linears with their layer norms, GELU and residual adds, graphed, 1 and 5 rows
     if device.type == "cuda" and dtype != torch.float32 and "linear" in args.sections:
         out["decode_linear"] = decode_linear_section(device, dtype, clock, *([args.tiles] if args.tiles else []))

@@ -2,7 +2,7 @@
 speculative acceptance, resampling.
 
 This module is the spec (a leaf: it imports nothing of ours). The Triton kernels
-(`kernels/spec_sample.py`) and the C++ ops (`csrc/`) reproduce `exp_noise`, `race_sample` and
+(`specwhisper/kernels/spec_sample.py`) and the C++ ops (`csrc/`) reproduce `exp_noise`, `race_sample` and
 `speculative_sample_noise` bit for bit; `specwhisper.backends.ops` dispatches to them.
 
 Race sampling (Gumbel-max / exponential race): token = argmax_v p(v) / E(v), E(v) ~ Exp(1), is a

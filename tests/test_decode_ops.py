@@ -1,4 +1,4 @@
-"""kernels/decode_ops.py, the GPU decode ops: the fused linear (layer norm, bias, GELU, residual,
+"""specwhisper/kernels/decode_ops.py, the GPU decode ops: the fused linear (layer norm, bias, GELU, residual,
 cache writes) and the chunked attention against their PyTorch references over odd shapes and every
 option (interpreted on CPU tensors); the decoder and the engine on them (`Whisper.fuse_decode_ops`):
 equal to the plain path to rounding, a verify pass equal to one-token steps bit for bit, speculative

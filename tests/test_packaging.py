@@ -179,3 +179,34 @@ def test_a_built_extension_loads_without_torchs_build_check_until_it_changes(tmp
     (tmp_path / "probe.cpp").write_text(PROBE_OP + "\n// edited\n")
     done = reload()
     assert done.returncode != 0 and "went through torch's load" in done.stderr
+
+
+SHADOW = """
+import importlib.util, pathlib, sys
+root = pathlib.Path.cwd().resolve()
+assert sys.path[0] in ("", str(root)), sys.path[:2]  # python -c: the checkout's root comes first
+spec = importlib.util.find_spec("kernels")  # transformers >= 5 imports the `kernels` package
+where = None if spec is None else pathlib.Path(spec.origin or next(iter(spec.submodule_search_locations))).resolve()
+assert where is None or root not in where.parents, f"`import kernels` finds {where} in the checkout"
+import transformers
+from transformers import WhisperConfig, WhisperForConditionalGeneration
+WhisperForConditionalGeneration(WhisperConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                              encoder_attention_heads=2, decoder_attention_heads=2,
+                                              encoder_ffn_dim=16, decoder_ffn_dim=16, max_source_positions=8,
+                                              max_target_positions=8, num_mel_bins=8, pad_token_id=1,
+                                              bos_token_id=2, eos_token_id=3, decoder_start_token_id=2))
+print("ok")
+"""
+
+
+def test_the_checkouts_root_shadows_no_installed_package():
+    """Python run from the checkout's root (`python -m pytest`, `python -c`) puts that folder first
+    on the path, so a package folder there hides an installed one of the same name: a top-level
+    `kernels/` hid the `kernels` package transformers 5 imports, and every test that built a
+    transformers model failed. specwhisper is the only package the root holds, and transformers
+    builds a model from there."""
+    packages = sorted(p.name for p in REPO.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert packages == ["specwhisper"], packages
+    result = subprocess.run([sys.executable, "-c", SHADOW], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert result.stdout.strip() == "ok"

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     # the CUDA tests need compiled kernels; the CPU cases load an interpreted copy, `Interpreted`.)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "specwhisper" / "kernels"
 
 
 def _language_namespaces() -> list:
@@ -91,7 +91,7 @@ def row_dot(create_dot):
 
 
 class Interpreted:
-    """kernels/<name>.py loaded afresh with TRITON_INTERPRET=1: runs on CPU tensors."""
+    """specwhisper/kernels/<name>.py loaded afresh with TRITON_INTERPRET=1: runs on CPU tensors."""
 
     def __init__(self, name: str = "spec_sample"):
         previous = os.environ.get("TRITON_INTERPRET")
@@ -117,7 +117,7 @@ class Interpreted:
 
 
 class CompiledForGpu:
-    """kernels/<name>.py loaded afresh as Triton kernels (not interpreted) whose launches, while
+    """specwhisper/kernels/<name>.py loaded afresh as Triton kernels (not interpreted) whose launches, while
     `compiling()` is active, compile for a Hopper GPU (sm_90, ptxas included) instead of running:
     what a GPU's compiler rejects (the interpreter runs code no compiler accepts, e.g. an if/else
     that binds one name to two dtypes) is found on a machine without one. The launchers' outputs

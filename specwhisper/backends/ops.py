@@ -5,7 +5,7 @@
 - `speculative_sample_mapped`: rejection sampling with a mapped draft's exact probabilities
   (reference only); `speculative_sample_probs`: the same rule on any exact probabilities (per-row
   parameters; reference only).
-Backends: CUDA tensors use the Triton kernels (`kernels/spec_sample.py`); CPU tensors the C++ ops
+Backends: CUDA tensors use the Triton kernels (`specwhisper/kernels/spec_sample.py`); CPU tensors the C++ ops
 `specwhisper::*` (`csrc/`), built just in time with ninja on first use into
 ~/.cache/specwhisper/build (or $SPECWHISPER_BUILD_DIR; $SPECWHISPER_NO_EXT=1 turns them off);
 otherwise, or when a backend cannot be loaded (announced by one warning), the reference in
@@ -20,7 +20,6 @@ import functools
 import hashlib
 import importlib
 import importlib.resources
-import importlib.util
 import os
 import sys
 import warnings
@@ -187,23 +186,9 @@ def triton_kernels() -> ModuleType | None:
 
 
 def _import_kernels(name: str) -> ModuleType:
-    """`<repo>/kernels/<name>.py` in a source checkout (so a checkout runs its own kernels even
-    when another copy of specwhisper is installed), else the installed `specwhisper.kernels`."""
-    path = _REPO_ROOT / "kernels" / f"{name}.py"
-    if not path.is_file():
-        return importlib.import_module(f"specwhisper.kernels.{name}")
-    module_name = f"specwhisper_kernels_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
+    """`specwhisper.kernels.<name>` (the Triton sources inside the package, beside this module, so
+    a checkout runs its own kernels even when another copy of specwhisper is installed)."""
+    return importlib.import_module(f"..kernels.{name}", __package__)
 
 
 _OPS = ("speculative_sample_noise", "exp_noise", "race_sample")

@@ -232,7 +232,7 @@ class DecoderLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
     def forward_fused(self, x, write_pos, n_self, n_cross, self_k, self_v, cross_k, cross_v, kernel):
-        """`forward` on `kernel`'s GPU decode ops (kernels/decode_ops.py): the six linears with their
+        """`forward` on `kernel`'s GPU decode ops (specwhisper/kernels/decode_ops.py): the six linears with their
         layer norms, GELU and residual adds fused, and both attentions, each reading the first
         n_self / n_cross [B, T] slots: the same results to float rounding in half the kernels, each
         row's and query's bits independent of the others; the q/k/v projection writes the keys and
@@ -595,7 +595,7 @@ class Whisper(nn.Module):
         self.decoder.forget_layer_params()
 
     def fuse_decode_ops(self, kernel=None) -> None:
-        """Run the decoder's layers on the GPU decode ops (kernels/decode_ops.py; `kernel`: that
+        """Run the decoder's layers on the GPU decode ops (specwhisper/kernels/decode_ops.py; `kernel`: that
         module, by default this checkout's, compiled by Triton): linears with their layer norms,
         GELU and residual adds fused, and chunked attention, each row's bits independent of the
         others. Experimental, for the GPU (bench/gpu_profile.py times it); the CPU's C++ path
