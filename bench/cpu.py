@@ -242,12 +242,16 @@ def mac_peaks(threads: int, build_dir: Path, repeats: int = 3) -> dict:
                 int16_instruction="vpdpwssd" if vnni else "vpmaddwd + vpaddd", width=16 if wide else 8)
 
 
-def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10), cross_dtype=None) -> dict:
+def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10), cross_dtype=None,
+               read_bytes: int = 0) -> dict:
     """Seconds of one pass (blocks + greedy head) over T rows at POSITION, T in `rows`
     (`cross_dtype`: the cross-attention K/V cache's, e.g. bfloat16 as a compact draft keeps it), as
     an engine's iterations run it where the C++ step applies: one call, without the check of the
     weights' versions that `Decoder.hidden` makes on every call and an engine at each window's start
-    (`Decoder.layer_params`: 108 counters of base's copies, ≈ 0.15 ms on cold caches)."""
+    (`Decoder.layer_params`: 108 counters of base's copies, ≈ 0.15 ms on cold caches).
+    `read_bytes` > 0: also "read", a plain read (torch sum) of a buffer of that many bytes timed in
+    the same rounds, after the passes: the memory floor of that moment (a shared VM's bandwidth
+    moves by up to 2x within minutes, so a floor measured once, minutes apart, can mislead)."""
     lm = engine.target
     dec, cfg = lm.model.decoder, lm.config
     cache = DecoderCache.allocate(cfg, 1, "cpu", engine.dtype, cross_dtype)
@@ -264,10 +268,13 @@ def step_times(engine: Engine, mel: torch.Tensor, repeats: int, rows=range(1, 10
         dec.fill_cross(cache, lm.model.encoder(mel[None].to(engine.dtype)))
         dec.hidden(torch.full((1, POSITION), 440), torch.arange(POSITION)[None], cache)
         passes = {t: one_pass(t) for t in rows}
+        if read_bytes > 0:
+            buffer = torch.ones(read_bytes // 4)
+            passes["read"] = buffer.sum
         for _ in range(3):  # warm-up
             for run in passes.values():
                 run()
-        times = {t: [] for t in rows}
+        times = {t: [] for t in passes}
         for _ in range(repeats):  # interleaved rounds: a slow spell of the machine hits every T alike
             for t, run in passes.items():
                 start = time.perf_counter()
@@ -524,7 +531,8 @@ def main() -> None:
     result["bandwidth"] = bandwidth()
     result["bytes_per_token"] = bytes_per_token(engine)
     floor_ms = 1e3 * result["bytes_per_token"]["total"] / (result["bandwidth"]["GBps"] * 1e9)
-    steps = step_times(engine, mels[0], args.repeats * 5)
+    steps = step_times(engine, mels[0], args.repeats * 5, read_bytes=result["bytes_per_token"]["total"])
+    result["read_ms"] = 1e3 * steps.pop("read")
     result["step_ms"] = {t: 1e3 * s for t, s in steps.items()}
     result["verify_over_step"] = {t: s / steps[1] for t, s in steps.items()}
     result["mac_peaks"] = mac_peaks(args.threads, Path(os.environ.get("SPECWHISPER_BUILD_DIR", ".build")))
@@ -646,6 +654,9 @@ def markdown(r: dict) -> str:
              "| per token | ms | × floor |", "|---|---|---|",
              f"| target step (blocks + screened head, position {r['position']}) | {r['step_ms'][1]:.1f} | "
              f"{r['step_ms'][1] / r['floor_ms']:.2f} |",
+             f"| a plain read of as many bytes (torch sum of {r['bytes_per_token']['total'] / 1e6:.0f} MB) in the same "
+             f"rounds as that step: {r['bytes_per_token']['total'] / r['read_ms'] / 1e6:.1f} GB/s; the step "
+             f"{r['step_ms'][1] / r['read_ms']:.2f}× it | {r['read_ms']:.1f} | {r['read_ms'] / r['floor_ms']:.2f} |",
              f"| target step, called from a second thread (an engine's loop thread; the main thread in the "
              f"same rounds: {r['thread_step_main_ms']:.1f}) | {r['thread_step_ms']:.1f} | "
              f"{r['thread_step_ms'] / r['floor_ms']:.2f} |",

@@ -219,3 +219,26 @@ def test_verify_parts_times_each_part_at_every_row_count(tmp_path):
     out = verify_parts.measure(engine, rows=[3, 5], rounds=1, flush_mb=1)
     assert set(out) == {"projections", "cross attention", "head"}
     assert all(set(t) == {1, 3, 5} and all(s > 0 for s in t.values()) for t in out.values())
+
+
+def test_step_times_time_a_plain_read_in_the_steps_rounds(tmp_path, monkeypatch):
+    """read_bytes > 0: a torch sum of a buffer of that many bytes is timed in every round beside
+    the passes (the floor of the moment); without it only the passes."""
+    import torch
+    from checkpoints import make_checkpoint
+    from specwhisper import Engine
+
+    engine = Engine(make_checkpoint(tmp_path / "m", d_model=64, decoder_layers=2, ffn_dim=128), background=False)
+    mel = torch.zeros(engine.target.config.num_mel_bins, 3000)
+    assert set(cpu.step_times(engine, mel, 2, rows=[1, 2])) == {1, 2}
+    reads, real_sum = [], torch.Tensor.sum
+
+    def spy(self, *args, **kwargs):
+        if self.numel() == (1 << 22) // 4:
+            reads.append(self.dtype)
+        return real_sum(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sum", spy)
+    out = cpu.step_times(engine, mel, 3, rows=[1], read_bytes=1 << 22)
+    assert set(out) == {1, "read"} and all(v > 0 for v in out.values())
+    assert reads == [torch.float32] * (3 + 3)  # the three warm-up rounds and the three timed
